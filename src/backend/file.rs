@@ -1,0 +1,937 @@
+//! The embedded backend: leases in a private directory, for replicas on one
+//! host, with no server.
+//!
+//! One file per key holds the lease record: the token counter, and the
+//! holder's owner, instance, token and expiry. Three kinds of open-file-
+//! description (OFD) locks on that file do the rest:
+//!
+//! - a *mutex* byte, held for the microseconds of a read-modify-write;
+//! - a *liveness* byte per token, held by the holder for its whole term. The
+//!   kernel drops it the moment the holder dies, so a dead holder frees the
+//!   lease at once; a holder that is alive but stuck keeps its byte, and loses
+//!   the lease when its expiry passes. A successor locks the byte of its own,
+//!   newer token, so a stuck holder's byte never gets in its way.
+//!
+//! Expiry is kept on CLOCK_BOOTTIME together with the boot id: the wall clock
+//! may jump, and a record from an earlier boot is known to be stale.
+//!
+//! The record is written to alternating slots, each with a sequence number
+//! and a checksum, so a write torn by a crash leaves the previous record
+//! readable. A new token is synced to disk before the child sees it, so
+//! tokens only grow across `kill -9` and reboots.
+//!
+//! Followers watch the file with inotify: the holder's release writes it and
+//! the holder's death closes it, and either wakes them at once.
+//!
+//! Every descriptor is close-on-exec: an OFD lock lives as long as any
+//! descriptor of its open file description, so a child that inherited one
+//! would keep the lease alive after leaderrun died.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use nix::sys::stat::Mode;
+use tokio::io::unix::AsyncFd;
+
+use super::{Attempt, Holder, Observation, RenewError, Unreachable};
+use crate::error::ConfigError;
+
+/// Bytes per record slot; a record is at most about 600 bytes.
+const SLOT: usize = 1024;
+/// Lock offsets, far past the record: advisory locks need no data there.
+const MUTEX_AT: i64 = 1 << 40;
+const LIVENESS_BASE: i64 = 1 << 41;
+/// Tokens stay below this so every liveness offset fits in an `off_t`.
+pub const MAX_TOKEN: u64 = 1 << 60;
+/// How long a read-modify-write waits for another process's mutex.
+const MUTEX_PATIENCE: Duration = Duration::from_secs(2);
+
+#[derive(Clone)]
+pub struct FileBackend {
+    shared: Arc<Shared>,
+    notices: Option<Arc<AsyncFd<Watcher>>>,
+}
+
+struct Shared {
+    dir: OwnedFd,
+    dir_path: PathBuf,
+    name: String,
+    key: String,
+    /// None for a read-only observer (`leaderrun status`).
+    me: Option<Me>,
+    boot_id: String,
+    /// Wakes followers; None for an observer.
+    inotify: Option<Arc<Inotify>>,
+    /// The open lease file, reopened if an operator replaces it. The mutex
+    /// also keeps two calls of this process apart: OFD locks do not conflict
+    /// within one open file description.
+    file: Mutex<Option<File>>,
+}
+
+struct Me {
+    owner: String,
+    /// Tells this process apart from an earlier one with the same owner name.
+    instance: String,
+    ttl: Duration,
+}
+
+impl FileBackend {
+    pub fn open(
+        dir: &Path,
+        key: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<FileBackend, ConfigError> {
+        let dir_fd = open_state_dir(dir, true)?;
+        let io_error = |source| ConfigError::StateDir {
+            path: dir.display().to_string(),
+            source,
+        };
+        let inotify = Arc::new(
+            Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+                .map_err(|e| io_error(e.into()))?,
+        );
+        let shared = Shared {
+            dir: dir_fd,
+            dir_path: dir.to_owned(),
+            name: file_name(key),
+            key: key.to_owned(),
+            me: Some(Me {
+                owner: owner.to_owned(),
+                instance: random_instance(),
+                ttl,
+            }),
+            boot_id: boot_id(),
+            inotify: Some(inotify.clone()),
+            file: Mutex::new(None),
+        };
+        let file = shared.open_lease_file().map_err(io_error)?;
+        watch(&inotify, &shared.path()).map_err(io_error)?;
+        *shared.file.lock().unwrap() = Some(file);
+        Ok(FileBackend {
+            shared: Arc::new(shared),
+            notices: Some(Arc::new(register(Watcher(inotify)).map_err(io_error)?)),
+        })
+    }
+
+    /// A read-only view for `status`: creates nothing.
+    pub fn observer(dir: &Path, key: &str) -> Result<FileBackend, ConfigError> {
+        Ok(FileBackend {
+            shared: Arc::new(Shared {
+                dir: open_state_dir(dir, false)?,
+                dir_path: dir.to_owned(),
+                name: file_name(key),
+                key: key.to_owned(),
+                me: None,
+                boot_id: boot_id(),
+                inotify: None,
+                file: Mutex::new(None),
+            }),
+            notices: None,
+        })
+    }
+
+    pub async fn acquire(&self) -> Result<Attempt, Unreachable> {
+        self.blocking(Shared::acquire).await
+    }
+
+    pub async fn renew(&self, token: u64) -> Result<(), RenewError> {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || shared.renew(token))
+            .await
+            .unwrap_or_else(|e| Err(Unreachable::Corrupt(e.to_string()).into()))
+    }
+
+    pub async fn release(&self, token: u64) -> Result<(), Unreachable> {
+        self.blocking(move |shared| shared.release(token)).await
+    }
+
+    pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
+        self.blocking(move |shared| shared.advance_fence(floor))
+            .await
+    }
+
+    pub async fn observe(&self) -> Result<Observation, Unreachable> {
+        self.blocking(Shared::observe).await
+    }
+
+    /// Waits for the lease file to be written (a release), closed by a writer
+    /// (a holder that exited or died) or replaced.
+    pub async fn notice(&self) {
+        let Some(notices) = &self.notices else {
+            return std::future::pending().await;
+        };
+        loop {
+            let Ok(mut ready) = notices.readable().await else {
+                return;
+            };
+            match ready.get_inner().0.read_events() {
+                Ok(events) if !events.is_empty() => return,
+                Err(nix::errno::Errno::EAGAIN) | Ok(_) => ready.clear_ready(),
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Runs a file operation on the blocking pool, so a slow disk can delay
+    /// the call (which the caller bounds) but never the supervisor's timers.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&Shared) -> Result<T, Unreachable> + Send + 'static,
+    ) -> Result<T, Unreachable> {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || op(&shared))
+            .await
+            .unwrap_or_else(|e| Err(Unreachable::Corrupt(e.to_string())))
+    }
+}
+
+impl Shared {
+    fn path(&self) -> PathBuf {
+        self.dir_path.join(&self.name)
+    }
+
+    fn me(&self) -> &Me {
+        self.me
+            .as_ref()
+            .expect("a mutating call on a read-only observer")
+    }
+
+    fn acquire(&self) -> Result<Attempt, Unreachable> {
+        let me = self.me();
+        self.locked(|lease| {
+            let mut record = lease.read()?;
+            let now = boottime_ns();
+            if let Some(holder) = &record.holder {
+                let live = holder.boot == self.boot_id && now < holder.expires;
+                if holder.instance == me.instance && live {
+                    // A repeat of an attempt whose reply we never saw.
+                    let token = holder.token;
+                    lease.write_holder(&mut record, self, token, now, false)?;
+                    return Ok(Attempt::Acquired { token });
+                }
+                if holder.instance != me.instance && live && lease.holds_liveness(holder.token)? {
+                    return Ok(Attempt::Held(Holder {
+                        owner: holder.owner.clone(),
+                        token: holder.token,
+                        expires_in: Some(Duration::from_nanos(holder.expires - now)),
+                    }));
+                }
+                if holder.instance == me.instance {
+                    lease.unlock_liveness(holder.token);
+                }
+            }
+            let token = record.counter + 1;
+            if token >= MAX_TOKEN {
+                return Err(Unreachable::Corrupt(format!(
+                    "token counter exhausted at {}",
+                    record.counter
+                )));
+            }
+            lease.lock_liveness(token)?;
+            record.counter = token;
+            // Synced: the token must survive a crash before anyone sees it.
+            if let Err(e) = lease.write_holder(&mut record, self, token, now, true) {
+                lease.unlock_liveness(token);
+                return Err(e);
+            }
+            Ok(Attempt::Acquired { token })
+        })
+    }
+
+    fn renew(&self, token: u64) -> Result<(), RenewError> {
+        let me = self.me();
+        let result = self.locked(|lease| {
+            let mut record = lease.read()?;
+            let now = boottime_ns();
+            match &record.holder {
+                Some(h)
+                    if h.instance == me.instance
+                        && h.token == token
+                        && h.boot == self.boot_id
+                        && now < h.expires =>
+                {
+                    lease.write_holder(&mut record, self, token, now, false)?;
+                    Ok(None)
+                }
+                // Expired, released by an operator, or taken by someone else.
+                other => Ok(Some(
+                    other
+                        .clone()
+                        .filter(|h| h.instance != me.instance)
+                        .map(|h| Holder {
+                            owner: h.owner,
+                            token: h.token,
+                            expires_in: None,
+                        }),
+                )),
+            }
+        })?;
+        match result {
+            None => Ok(()),
+            Some(holder) => Err(RenewError::Lost(holder)),
+        }
+    }
+
+    fn release(&self, token: u64) -> Result<(), Unreachable> {
+        let me = self.me();
+        self.locked(|lease| {
+            let mut record = lease.read()?;
+            if record
+                .holder
+                .as_ref()
+                .is_some_and(|h| h.instance == me.instance && h.token == token)
+            {
+                record.holder = None;
+                // Not synced: after a crash the dead holder's liveness byte is
+                // free anyway. The write is what wakes the followers.
+                lease.write(&mut record, false)?;
+            }
+            lease.unlock_liveness(token);
+            Ok(())
+        })
+    }
+
+    fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
+        if floor >= MAX_TOKEN {
+            return Err(Unreachable::Corrupt(format!(
+                "fence floor {floor} is above the largest token {MAX_TOKEN}"
+            )));
+        }
+        self.locked(|lease| {
+            let mut record = lease.read()?;
+            if record.counter < floor {
+                record.counter = floor;
+                lease.write(&mut record, true)?;
+            }
+            Ok(record.counter)
+        })
+    }
+
+    fn observe(&self) -> Result<Observation, Unreachable> {
+        let file = match nix::fcntl::openat(
+            &self.dir,
+            self.name.as_str(),
+            OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+            Mode::empty(),
+        ) {
+            Ok(fd) => File::from(fd),
+            Err(nix::errno::Errno::ENOENT) => {
+                return Ok(Observation {
+                    holder: None,
+                    counter: 0,
+                });
+            }
+            Err(e) => return Err(self.io("open", e.into())),
+        };
+        let lease = Locked {
+            file: &file,
+            shared: self,
+        };
+        let record = lease.read()?;
+        let now = boottime_ns();
+        let holder = match record.holder {
+            Some(h)
+                if h.boot == self.boot_id
+                    && now < h.expires
+                    && lease.holds_liveness(h.token)? =>
+            {
+                Some(Holder {
+                    owner: h.owner,
+                    token: h.token,
+                    expires_in: Some(Duration::from_nanos(h.expires - now)),
+                })
+            }
+            _ => None,
+        };
+        Ok(Observation {
+            holder,
+            counter: record.counter,
+        })
+    }
+
+    /// Runs `op` on the lease file with the mutex byte held, after checking
+    /// that the path still names the open file (an operator may have deleted
+    /// or replaced it; writing to an unlinked file would split the lease).
+    fn locked<T>(
+        &self,
+        op: impl FnOnce(&Locked<'_>) -> Result<T, Unreachable>,
+    ) -> Result<T, Unreachable> {
+        let mut slot = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        let patience = Instant::now() + MUTEX_PATIENCE;
+        loop {
+            if slot.is_none() {
+                *slot = Some(self.open_lease_file().map_err(|e| self.io("open", e))?);
+                if let Some(inotify) = &self.inotify {
+                    // The old watch went with the old file.
+                    watch(inotify, &self.path()).map_err(|e| self.io("watch", e))?;
+                }
+            }
+            let file = slot.as_ref().expect("opened above");
+            lock_mutex(file, patience).map_err(|e| self.io("lock", e))?;
+            let same = nix::sys::stat::fstatat(
+                &self.dir,
+                self.name.as_str(),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .is_ok_and(|st| {
+                file.metadata()
+                    .is_ok_and(|m| m.dev() == st.st_dev && m.ino() == st.st_ino)
+            });
+            if same {
+                let result = op(&Locked { file, shared: self });
+                let _ = set_lock(file, libc::F_OFD_SETLK, libc::F_UNLCK, MUTEX_AT);
+                return result;
+            }
+            // Closing the stale file also drops any liveness byte held in it:
+            // the lease it described no longer exists.
+            *slot = None;
+        }
+    }
+
+    fn open_lease_file(&self) -> io::Result<File> {
+        let flags = OFlag::O_RDWR | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
+        let mode = Mode::from_bits_truncate(0o600);
+        let (fd, created) = match nix::fcntl::openat(
+            &self.dir,
+            self.name.as_str(),
+            flags | OFlag::O_CREAT | OFlag::O_EXCL,
+            mode,
+        ) {
+            Ok(fd) => (fd, true),
+            Err(nix::errno::Errno::EEXIST) => (
+                nix::fcntl::openat(&self.dir, self.name.as_str(), flags, mode)?,
+                false,
+            ),
+            Err(e) => return Err(e.into()),
+        };
+        let file = File::from(fd);
+        if created {
+            // The new name must be durable too, or a crash could lose the
+            // file and its counter with it.
+            nix::unistd::fsync(&self.dir)?;
+        }
+        let meta = file.metadata()?;
+        if meta.uid() != nix::unistd::geteuid().as_raw() {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} is owned by uid {}, not this user",
+                    self.path().display(),
+                    meta.uid()
+                ),
+            ));
+        }
+        Ok(file)
+    }
+
+    fn io(&self, what: &str, source: io::Error) -> Unreachable {
+        Unreachable::Io {
+            context: format!("{what} {}", self.path().display()),
+            source,
+        }
+    }
+}
+
+/// The lease file with the mutex byte held.
+struct Locked<'a> {
+    file: &'a File,
+    shared: &'a Shared,
+}
+
+impl Locked<'_> {
+    fn read(&self) -> Result<Record, Unreachable> {
+        let mut buf = vec![0u8; 2 * SLOT];
+        let mut filled = 0;
+        while filled < buf.len() {
+            match self.file.read_at(&mut buf[filled..], filled as u64) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.shared.io("read", e)),
+            }
+        }
+        let slots: Vec<&[u8]> = buf.chunks(SLOT).collect();
+        let records: Vec<Record> = slots.iter().filter_map(|s| Record::decode(s)).collect();
+        if records.is_empty() {
+            if slots.iter().all(|s| s.iter().all(|b| *b == 0)) {
+                return Ok(Record::new(&self.shared.key));
+            }
+            return Err(Unreachable::Corrupt(format!(
+                "{} has no readable record; move it aside only if no replica runs, as its counter is lost with it",
+                self.shared.path().display()
+            )));
+        }
+        let record = records
+            .into_iter()
+            .max_by_key(|r| r.seq)
+            .expect("not empty");
+        if record.key != self.shared.key {
+            return Err(Unreachable::Corrupt(format!(
+                "{} belongs to key {:?}, not {:?} (a file name collision): use another state directory for one of them",
+                self.shared.path().display(),
+                record.key,
+                self.shared.key
+            )));
+        }
+        Ok(record)
+    }
+
+    fn write(&self, record: &mut Record, sync: bool) -> Result<(), Unreachable> {
+        record.seq += 1;
+        let mut slot = record.encode().into_bytes();
+        slot.resize(SLOT, 0);
+        let offset = (record.seq % 2) * SLOT as u64;
+        self.file
+            .write_all_at(&slot, offset)
+            .map_err(|e| self.shared.io("write", e))?;
+        if sync {
+            self.file
+                .sync_data()
+                .map_err(|e| self.shared.io("sync", e))?;
+        }
+        Ok(())
+    }
+
+    fn write_holder(
+        &self,
+        record: &mut Record,
+        shared: &Shared,
+        token: u64,
+        now: u64,
+        sync: bool,
+    ) -> Result<(), Unreachable> {
+        let me = shared.me();
+        record.holder = Some(HolderRecord {
+            owner: me.owner.clone(),
+            instance: me.instance.clone(),
+            token,
+            boot: shared.boot_id.clone(),
+            // `now` was read after the caller's send instant, so this expiry is
+            // never earlier than the one the supervisor computes.
+            expires: now + me.ttl.as_nanos() as u64,
+        });
+        self.write(record, sync)
+    }
+
+    /// Whether another process holds the liveness byte of `token`.
+    fn holds_liveness(&self, token: u64) -> Result<bool, Unreachable> {
+        let mut probe = flock(libc::F_WRLCK, liveness_at(token));
+        // SAFETY: F_OFD_GETLK fills in the flock struct we own.
+        let rc = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_GETLK, &mut probe) };
+        if rc != 0 {
+            return Err(self.shared.io("probe lock on", io::Error::last_os_error()));
+        }
+        Ok(probe.l_type != libc::F_UNLCK as libc::c_short)
+    }
+
+    fn lock_liveness(&self, token: u64) -> Result<(), Unreachable> {
+        set_lock(self.file, libc::F_OFD_SETLK, libc::F_WRLCK, liveness_at(token)).map_err(|e| {
+            Unreachable::Corrupt(format!("the liveness lock of token {token} is held by another process ({e}): the counter went backwards"))
+        })
+    }
+
+    fn unlock_liveness(&self, token: u64) {
+        let _ = set_lock(
+            self.file,
+            libc::F_OFD_SETLK,
+            libc::F_UNLCK,
+            liveness_at(token),
+        );
+    }
+}
+
+fn liveness_at(token: u64) -> i64 {
+    LIVENESS_BASE + token as i64
+}
+
+fn flock(kind: libc::c_int, start: i64) -> libc::flock {
+    // SAFETY: flock is plain old data; zero is a valid value for every field.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = start;
+    lock.l_len = 1;
+    lock
+}
+
+fn set_lock(file: &File, cmd: libc::c_int, kind: libc::c_int, start: i64) -> io::Result<()> {
+    let lock = flock(kind, start);
+    // SAFETY: the fd is open for the duration of the call; lock is ours.
+    if unsafe { libc::fcntl(file.as_raw_fd(), cmd, &lock) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Takes the mutex byte, retrying until `patience` runs out. Not a blocking
+/// lock: a process stopped while holding it must not hang this one beyond
+/// the call's bound.
+fn lock_mutex(file: &File, patience: Instant) -> io::Result<()> {
+    let mut pause = Duration::from_micros(50);
+    loop {
+        match set_lock(file, libc::F_OFD_SETLK, libc::F_WRLCK, MUTEX_AT) {
+            Ok(()) => return Ok(()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
+                if Instant::now() >= patience {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "lease file mutex held by another process",
+                    ));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(5));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The inotify instance, shared with the blocking calls that re-add the watch.
+struct Watcher(Arc<Inotify>);
+
+impl AsRawFd for Watcher {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+fn register(watcher: Watcher) -> io::Result<AsyncFd<Watcher>> {
+    // SAFETY: the Watcher owns (through the Arc) the inotify descriptor for
+    // as long as the AsyncFd lives, and always returns the same descriptor.
+    unsafe { AsyncFd::register_with_interest(watcher, tokio::io::Interest::READABLE) }
+        .map_err(|e| e.into())
+}
+
+fn watch(inotify: &Inotify, path: &Path) -> io::Result<()> {
+    inotify.add_watch(
+        path,
+        AddWatchFlags::IN_MODIFY
+            | AddWatchFlags::IN_CLOSE_WRITE
+            | AddWatchFlags::IN_ATTRIB
+            | AddWatchFlags::IN_DELETE_SELF
+            | AddWatchFlags::IN_MOVE_SELF,
+    )?;
+    Ok(())
+}
+
+/// Opens (and with `create`, makes) the state directory, refusing one that
+/// another user owns or that group or others may write: anyone who can
+/// write there can take or forge a lease.
+fn open_state_dir(dir: &Path, create: bool) -> Result<OwnedFd, ConfigError> {
+    let shown = || dir.display().to_string();
+    let io_error = |source| ConfigError::StateDir {
+        path: shown(),
+        source,
+    };
+    if create {
+        match std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+        {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io_error(e)),
+        }
+    }
+    let fd = match nix::fcntl::open(
+        dir,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(e) => return Err(io_error(e.into())),
+    };
+    let stat = nix::sys::stat::fstat(&fd).map_err(|e| io_error(e.into()))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if stat.st_uid != me {
+        return Err(ConfigError::UnsafeStateDir {
+            path: shown(),
+            why: format!(
+                "owned by uid {}, not by this user (uid {me}); chown it, or point --backend at a directory of your own",
+                stat.st_uid
+            ),
+        });
+    }
+    if stat.st_mode & 0o022 != 0 {
+        return Err(ConfigError::UnsafeStateDir {
+            path: shown(),
+            why: format!(
+                "mode {:04o} lets group or others write; run chmod 700 {}",
+                stat.st_mode & 0o7777,
+                shown()
+            ),
+        });
+    }
+    Ok(fd)
+}
+
+/// A safe file name for any key: a hash for uniqueness, and a readable
+/// (sanitized, truncated) copy of the key for operators. `/`, `..` and
+/// unicode cannot escape the directory or make hidden files.
+fn file_name(key: &str) -> String {
+    let readable: String = key
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    format!("{:016x}-{readable}.lease", fnv1a(key.as_bytes()))
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
+        (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn boottime_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+        .expect("CLOCK_BOOTTIME is always available on Linux");
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+}
+
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|id| id.trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn random_instance() -> String {
+    let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most `len` bytes into the buffer we own.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != bytes.len() as isize {
+        // Unreachable in practice; the pid and time still make it unique here.
+        let fallback = u64::from(std::process::id()) ^ boottime_ns();
+        bytes = fallback.to_ne_bytes();
+    }
+    format!("{:016x}", u64::from_ne_bytes(bytes))
+}
+
+/// One lease record, as stored in a slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Record {
+    seq: u64,
+    counter: u64,
+    key: String,
+    holder: Option<HolderRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HolderRecord {
+    owner: String,
+    instance: String,
+    token: u64,
+    boot: String,
+    /// CLOCK_BOOTTIME nanoseconds of the boot named by `boot`.
+    expires: u64,
+}
+
+const MAGIC: &str = "leaderrun-lease/1";
+
+impl Record {
+    fn new(key: &str) -> Record {
+        Record {
+            seq: 0,
+            counter: 0,
+            key: key.to_owned(),
+            holder: None,
+        }
+    }
+
+    /// One line of `name=value` fields (keys and owners have no whitespace),
+    /// ending in a checksum of everything before it.
+    fn encode(&self) -> String {
+        let mut line = format!(
+            "{MAGIC} seq={} counter={} key={}",
+            self.seq, self.counter, self.key
+        );
+        if let Some(h) = &self.holder {
+            line += &format!(
+                " owner={} instance={} token={} boot={} expires={}",
+                h.owner, h.instance, h.token, h.boot, h.expires
+            );
+        }
+        let sum = fnv1a(line.as_bytes());
+        format!("{line} sum={sum:016x}\n")
+    }
+
+    fn decode(slot: &[u8]) -> Option<Record> {
+        let end = slot.iter().position(|b| *b == b'\n')?;
+        let line = std::str::from_utf8(&slot[..end]).ok()?;
+        let (body, sum) = line.rsplit_once(" sum=")?;
+        if u64::from_str_radix(sum, 16).ok()? != fnv1a(body.as_bytes()) {
+            return None;
+        }
+        let mut fields = body.split(' ');
+        if fields.next()? != MAGIC {
+            return None;
+        }
+        let fields: Vec<(&str, &str)> = fields.map(|f| f.split_once('=')).collect::<Option<_>>()?;
+        let get = |name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+        let number = |name: &str| get(name)?.parse::<u64>().ok();
+        let holder = match get("owner") {
+            None => None,
+            Some(owner) => Some(HolderRecord {
+                owner: owner.to_owned(),
+                instance: get("instance")?.to_owned(),
+                token: number("token")?,
+                boot: get("boot")?.to_owned(),
+                expires: number("expires")?,
+            }),
+        };
+        Some(Record {
+            seq: number("seq")?,
+            counter: number("counter")?,
+            key: get("key")?.to_owned(),
+            holder,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(token: u64) -> Record {
+        Record {
+            seq: 7,
+            counter: token,
+            key: "a=b/../ключ".into(),
+            holder: Some(HolderRecord {
+                owner: "host:42".into(),
+                instance: "00ff".into(),
+                token,
+                boot: "c0ffee".into(),
+                expires: 123_456_789,
+            }),
+        }
+    }
+
+    #[test]
+    fn records_round_trip() {
+        for record in [held(5), Record::new("k")] {
+            let mut slot = record.encode().into_bytes();
+            slot.resize(SLOT, 0);
+            assert_eq!(Record::decode(&slot), Some(record));
+        }
+    }
+
+    #[test]
+    fn a_torn_or_edited_record_is_rejected() {
+        let line = held(5).encode();
+        assert_eq!(Record::decode(&line.as_bytes()[..line.len() / 2]), None);
+        let edited = line.replace("counter=5", "counter=1");
+        assert_eq!(Record::decode(edited.as_bytes()), None);
+    }
+
+    #[test]
+    fn file_names_are_safe_and_distinct() {
+        for key in [
+            "..",
+            "a/b",
+            "../../etc/passwd",
+            ".hidden",
+            "ключ",
+            &"x".repeat(200),
+        ] {
+            let name = file_name(key);
+            assert!(!name.contains('/') && !name.starts_with('.'), "{name}");
+            assert!(name.len() < 100, "{name}");
+            assert!(name.is_ascii(), "{name}");
+        }
+        assert_ne!(file_name("a/b"), file_name("a_b"));
+    }
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("leaderrun-unit-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn a_record_from_another_boot_is_free_and_the_counter_goes_on() {
+        let dir = temp_dir("boot");
+        let a = FileBackend::open_blocking(&dir, "k", "a");
+        assert_eq!(a.acquire().unwrap(), Attempt::Acquired { token: 1 });
+        // Rewrite the record as if it came from a boot long ago, with an
+        // expiry far in the future of that boot's clock.
+        a.locked(|lease| {
+            let mut record = lease.read()?;
+            let holder = record.holder.as_mut().unwrap();
+            holder.boot = "an-earlier-boot".into();
+            holder.instance = "someone-else".into();
+            holder.expires = u64::MAX / 2;
+            lease.write(&mut record, false)
+        })
+        .unwrap();
+        let b = FileBackend::open_blocking(&dir, "k", "b");
+        assert_eq!(b.acquire().unwrap(), Attempt::Acquired { token: 2 });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_holder_is_seen_until_it_releases() {
+        let dir = temp_dir("hold");
+        let a = FileBackend::open_blocking(&dir, "k", "a");
+        let b = FileBackend::open_blocking(&dir, "k", "b");
+        assert_eq!(a.acquire().unwrap(), Attempt::Acquired { token: 1 });
+        // Acquire is idempotent for the holder.
+        assert_eq!(a.acquire().unwrap(), Attempt::Acquired { token: 1 });
+        let Attempt::Held(holder) = b.acquire().unwrap() else {
+            panic!("b acquired a held lease")
+        };
+        assert_eq!((holder.owner.as_str(), holder.token), ("a", 1));
+        assert!(holder.expires_in.unwrap() <= Duration::from_secs(6));
+        a.renew(1).unwrap();
+        assert!(matches!(b.renew(1), Err(RenewError::Lost(Some(_)))));
+        a.release(1).unwrap();
+        assert!(matches!(a.renew(1), Err(RenewError::Lost(None))));
+        assert_eq!(b.acquire().unwrap(), Attempt::Acquired { token: 2 });
+        assert_eq!(b.advance_fence(50).unwrap(), 50);
+        assert_eq!(b.advance_fence(10).unwrap(), 50);
+        b.release(2).unwrap();
+        assert_eq!(a.acquire().unwrap(), Attempt::Acquired { token: 51 });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn unsafe_directories_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir("mode");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let error = open_state_dir(&dir, true).unwrap_err().to_string();
+        assert!(error.contains("chmod 700"), "{error}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    impl FileBackend {
+        fn open_blocking(dir: &Path, key: &str, owner: &str) -> Arc<Shared> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .build()
+                .unwrap();
+            let _entered = runtime.enter();
+            FileBackend::open(dir, key, owner, Duration::from_secs(6))
+                .unwrap()
+                .shared
+        }
+    }
+}

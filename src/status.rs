@@ -1,0 +1,86 @@
+//! `leaderrun status` (SPEC §9): who holds a lease, its token, the time left
+//! and the counter. Exit 0 when held, 3 when free, 69 when the backend
+//! cannot be asked.
+
+use std::fmt::Write as _;
+
+use anyhow::Context as _;
+
+use crate::backend::{Backend, Observation};
+use crate::cli::StatusArgs;
+use crate::error::Exit;
+use crate::spec::{BackendUrl, parse_key};
+use crate::{Failure, log};
+
+pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
+    let key = parse_key(args.lease.key.as_deref().unwrap_or_default())?;
+    let url = BackendUrl::parse_or_default(args.lease.backend.as_deref())?;
+    log::init(&args.lease.log, vec![("key", key.clone())])?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    runtime.block_on(async {
+        let backend = Backend::observer(&url, &key)?;
+        match backend.observe().await {
+            Ok(observation) => {
+                let text = if args.json {
+                    json(&key, &observation)
+                } else {
+                    text(&key, &observation)
+                };
+                print!("{text}");
+                Ok(if observation.holder.is_some() {
+                    Exit::Child(0)
+                } else {
+                    Exit::Free
+                })
+            }
+            Err(error) => {
+                eprintln!("leaderrun: backend {url} unreachable: {error:#}");
+                Ok(Exit::Unreachable)
+            }
+        }
+    })
+}
+
+fn text(key: &str, observation: &Observation) -> String {
+    let mut out = format!("key:     {key}\n");
+    match &observation.holder {
+        Some(holder) => {
+            let left = holder
+                .expires_in
+                .map_or("unknown".into(), |d| format!("{:.3}s", d.as_secs_f64()));
+            let _ = write!(
+                out,
+                "holder:  {}\ntoken:   {}\nexpires: in {left}\n",
+                holder.owner, holder.token
+            );
+        }
+        None => out.push_str("holder:  none (the lease is free)\n"),
+    }
+    let _ = writeln!(out, "counter: {}", observation.counter);
+    out
+}
+
+/// One JSON object; the field names are documented in the README and stable.
+fn json(key: &str, observation: &Observation) -> String {
+    let quote = log::json_string;
+    match &observation.holder {
+        Some(holder) => format!(
+            "{{\"key\":{},\"held\":true,\"holder\":{},\"token\":{},\"expires_in_ms\":{},\"counter\":{}}}\n",
+            quote(key),
+            quote(&holder.owner),
+            holder.token,
+            holder
+                .expires_in
+                .map_or("null".into(), |d| d.as_millis().to_string()),
+            observation.counter
+        ),
+        None => format!(
+            "{{\"key\":{},\"held\":false,\"holder\":null,\"token\":null,\"expires_in_ms\":null,\"counter\":{}}}\n",
+            quote(key),
+            observation.counter
+        ),
+    }
+}

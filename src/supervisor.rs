@@ -1,0 +1,488 @@
+//! The supervisor: one task that owns a replica's whole life. It campaigns
+//! for the lease, runs the command while it leads, renews, and ends each term
+//! on the timeline of SPEC §3.
+//!
+//! Everything that can change a term arrives in one `select!`: the kill and
+//! yield deadlines (polled first, so a supervisor that was paused acts on
+//! the deadlines that passed before anything else), signals, the renewal's
+//! reply, the renewal tick and the hold timer. There are no shared flags and
+//! no other tasks; backend calls run as futures owned by this loop.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::time::{Instant, sleep_until};
+use tracing::{debug, info, warn};
+
+use crate::backend::{Attempt, Backend, RenewError, Unreachable};
+use crate::error::Exit;
+use crate::process::{self, Child, ChildEnv, Guard};
+use crate::signals::{SignalEvent, Signals};
+use crate::spec::{Spec, Wait};
+use crate::timeline::{Deadlines, show};
+
+/// Why a term ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndReason {
+    /// Renewals failed until the yield point.
+    Deadline,
+    /// leaderrun received SIGTERM, SIGINT or SIGQUIT.
+    Stopped,
+    /// The backend answered that this replica no longer holds the lease.
+    Lost,
+    /// The command exited by itself.
+    ChildExited,
+}
+
+impl EndReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            EndReason::Deadline => "deadline",
+            EndReason::Stopped => "stopped",
+            EndReason::Lost => "lost",
+            EndReason::ChildExited => "child exited",
+        }
+    }
+}
+
+pub struct Supervisor {
+    spec: Spec,
+    program: PathBuf,
+    backend: Backend,
+    signals: Signals,
+    guard: Option<Guard>,
+    /// A stop signal has been received: exit after the current term.
+    stopping: bool,
+    health: Health,
+}
+
+enum Campaign {
+    Acquired { token: u64, sent_at: Instant },
+    GaveUp(Exit),
+    Stopped,
+}
+
+/// The state of a term's processes and of its ending.
+struct Term {
+    token: u64,
+    child: Child,
+    deadlines: Deadlines,
+    /// Why the term is ending, once it is.
+    reason: Option<EndReason>,
+    /// When what is left of the child gets SIGKILL, once the term is ending
+    /// early; the term's own kill point applies in any case.
+    early_kill_at: Option<Instant>,
+    /// The command's exit code, once it has been reaped.
+    status: Option<u8>,
+    /// Descendants still alive after the command itself exited.
+    leftovers: bool,
+    killed: bool,
+    lost: bool,
+}
+
+impl Term {
+    /// Whether anything started in this term may still run.
+    fn alive(&self) -> bool {
+        self.status.is_none() || self.leftovers
+    }
+
+    fn kill_at(&self) -> Instant {
+        self.early_kill_at
+            .map_or(self.deadlines.kill_at, |at| at.min(self.deadlines.kill_at))
+    }
+}
+
+type Renewal = Pin<Box<dyn Future<Output = (Instant, Result<(), RenewError>)>>>;
+
+impl Supervisor {
+    pub fn new(
+        spec: Spec,
+        program: PathBuf,
+        backend: Backend,
+        signals: Signals,
+        guard: Option<Guard>,
+    ) -> Supervisor {
+        Supervisor {
+            spec,
+            program,
+            backend,
+            signals,
+            guard,
+            stopping: false,
+            health: Health::default(),
+        }
+    }
+
+    pub async fn run(mut self) -> Exit {
+        info!(backend = %self.spec.backend, "campaign started");
+        loop {
+            let (token, sent_at) = match self.campaign().await {
+                Campaign::Acquired { token, sent_at } => (token, sent_at),
+                Campaign::GaveUp(exit) => return exit,
+                Campaign::Stopped => return Exit::Stopped,
+            };
+            let (reason, code) = self.lead(token, sent_at).await;
+            let again = matches!(reason, EndReason::Deadline | EndReason::Lost)
+                && !self.stopping
+                && self.spec.wait != Wait::Once;
+            if !again {
+                return Exit::Child(code);
+            }
+            info!("campaign started");
+        }
+    }
+
+    /// Attempts until the lease is ours, the wait runs out, or a stop signal.
+    async fn campaign(&mut self) -> Campaign {
+        let timing = self.spec.timing;
+        let give_up_at = match self.spec.wait {
+            Wait::For(wait) => Some(Instant::now() + wait),
+            Wait::Once | Wait::Forever => None,
+        };
+        let mut answered = false;
+        let mut failures = 0;
+        loop {
+            let sent_at = Instant::now();
+            let next_attempt = match self.backend.acquire().await {
+                Ok(Attempt::Acquired { token }) => {
+                    self.health.reachable();
+                    return Campaign::Acquired { token, sent_at };
+                }
+                Ok(Attempt::Held(holder)) => {
+                    self.health.reachable();
+                    answered = true;
+                    failures = 0;
+                    if self.spec.wait == Wait::Once {
+                        info!(holder = %holder.owner, holder_token = holder.token, "lease held elsewhere; giving up (--no-wait)");
+                        return Campaign::GaveUp(Exit::HeldElsewhere);
+                    }
+                    debug!(holder = %holder.owner, holder_token = holder.token, "lease held elsewhere");
+                    // Wake at the holder's known expiry if that comes first.
+                    let wait = holder.expires_in.map_or(timing.campaign_every, |left| {
+                        (left + Duration::from_millis(1)).min(timing.campaign_every)
+                    });
+                    Instant::now() + wait
+                }
+                Err(error) => {
+                    self.health.unreachable(&error);
+                    if self.spec.wait == Wait::Once {
+                        return Campaign::GaveUp(Exit::Unreachable);
+                    }
+                    failures += 1;
+                    Instant::now() + backoff(timing.campaign_every, failures)
+                }
+            };
+            loop {
+                tokio::select! {
+                    biased;
+                    event = self.signals.next() => match event {
+                        SignalEvent::Stop(signal) => {
+                            info!(signal = signal.as_str(), "stopped while following");
+                            return Campaign::Stopped;
+                        }
+                        // Orphans re-parented to leaderrun (as PID 1) are reaped here too.
+                        SignalEvent::ChildChanged => drop(process::reap()),
+                        SignalEvent::Forward(_) => {}
+                    },
+                    _ = sleep_until(give_up_at.unwrap_or(next_attempt)), if give_up_at.is_some_and(|at| at <= next_attempt) => {
+                        let exit = if answered { Exit::HeldElsewhere } else { Exit::Unreachable };
+                        info!(wait = %show(self.spec.wait_duration()), "giving up (--wait)");
+                        return Campaign::GaveUp(exit);
+                    }
+                    () = self.backend.notice() => break,
+                    _ = sleep_until(next_attempt) => break,
+                }
+            }
+        }
+    }
+
+    /// Runs one term: starts the command, renews, and ends the term when the
+    /// command exits, a signal stops it, the lease is lost or the deadline
+    /// comes. Returns why it ended and the command's exit code.
+    async fn lead(&mut self, token: u64, sent_at: Instant) -> (EndReason, u8) {
+        let timing = self.spec.timing;
+        info!(token, "lease acquired");
+        let env = ChildEnv {
+            token_env: &self.spec.token_env,
+            token,
+            key: &self.spec.key,
+            owner: &self.spec.owner,
+        };
+        let child = match process::spawn(&self.program, &self.spec.command, &env) {
+            Ok(child) => child,
+            Err(error) => {
+                warn!(token, error = %error, "cannot start the command");
+                self.release(token).await;
+                let code = match error.kind() {
+                    std::io::ErrorKind::NotFound => Exit::NOT_FOUND,
+                    _ => Exit::NOT_EXECUTABLE,
+                };
+                return (EndReason::ChildExited, code);
+            }
+        };
+        if let Some(guard) = &self.guard {
+            guard.watch(Some(child.pgid));
+        }
+        debug!(token, pid = child.pid.as_raw(), "child started");
+
+        let mut term = Term {
+            token,
+            child,
+            deadlines: timing.deadlines(sent_at),
+            reason: None,
+            early_kill_at: None,
+            status: None,
+            leftovers: false,
+            killed: false,
+            lost: false,
+        };
+        let hold_until = sent_at + self.spec.hold_for;
+        let mut renew_at = sent_at + timing.renew_every;
+        let mut renewal: Option<Renewal> = None;
+        let mut renewal_failing = false;
+
+        loop {
+            let alive = term.alive();
+            // After the command exited by itself, --hold-for keeps the lease
+            // (renewed) until hold_until, but never past the point where a
+            // failing renewal would have ended the term anyway.
+            let hold_ends = hold_until.min(term.deadlines.yield_at);
+            if !alive
+                && (term.reason != Some(EndReason::ChildExited)
+                    || term.lost
+                    || Instant::now() >= hold_ends)
+            {
+                break;
+            }
+            tokio::select! {
+                biased;
+                _ = sleep_until(term.kill_at()), if alive && !term.killed => {
+                    self.kill(&mut term);
+                }
+                _ = sleep_until(term.deadlines.yield_at), if alive && term.reason.is_none() => {
+                    let kill_at = term.deadlines.kill_at;
+                    self.begin_ending(&mut term, EndReason::Deadline, kill_at);
+                }
+                event = self.signals.next() => match event {
+                    SignalEvent::ChildChanged => self.reap(&mut term),
+                    SignalEvent::Forward(signal) if alive => {
+                        debug!(token, signal = signal.as_str(), "signal forwarded");
+                        term.child.signal_group(signal);
+                    }
+                    SignalEvent::Forward(_) => {}
+                    SignalEvent::Stop(signal) if !self.stopping => {
+                        info!(token, signal = signal.as_str(), "stop requested");
+                        self.stopping = true;
+                        if !alive {
+                            break;
+                        }
+                        if term.reason.is_none() {
+                            let kill_at = timing.early_kill_at(Instant::now(), &term.deadlines);
+                            self.begin_ending(&mut term, EndReason::Stopped, kill_at);
+                        }
+                    }
+                    SignalEvent::Stop(signal) => {
+                        info!(token, signal = signal.as_str(), "second stop signal: killing the child now");
+                        if alive {
+                            self.kill(&mut term);
+                        } else {
+                            break;
+                        }
+                    }
+                },
+                (sent_at, result) = async { renewal.as_mut().expect("guarded").await }, if renewal.is_some() => {
+                    renewal = None;
+                    match result {
+                        Ok(()) => {
+                            term.deadlines = timing.deadlines(sent_at);
+                            renew_at = sent_at + timing.renew_every;
+                            if renewal_failing {
+                                renewal_failing = false;
+                                info!(token, "renewal recovered");
+                            }
+                            self.health.reachable();
+                        }
+                        Err(RenewError::Lost(holder)) => {
+                            term.lost = true;
+                            match holder {
+                                Some(h) => warn!(token, holder = %h.owner, holder_token = h.token, "lease lost"),
+                                None => warn!(token, "lease lost"),
+                            }
+                            if term.alive() && term.reason.is_none() {
+                                let kill_at = timing.early_kill_at(Instant::now(), &term.deadlines);
+                                self.begin_ending(&mut term, EndReason::Lost, kill_at);
+                            }
+                        }
+                        Err(RenewError::Unreachable(error)) => {
+                            if !renewal_failing {
+                                renewal_failing = true;
+                                let left = term.deadlines.yield_at.saturating_duration_since(Instant::now());
+                                warn!(token, error = %error, until_yield = %show(left), "renewal failed; retrying");
+                            }
+                            self.health.unreachable(&error);
+                            renew_at = Instant::now() + timing.renew_retry_every();
+                        }
+                    }
+                }
+                _ = sleep_until(renew_at), if renewal.is_none() && !term.lost => {
+                    let backend = self.backend.clone();
+                    let sent_at = Instant::now();
+                    renewal = Some(Box::pin(async move { (sent_at, backend.renew(token).await) }));
+                }
+                _ = sleep_until(hold_ends), if !alive => {}
+            }
+        }
+
+        if term.child.has_terminal {
+            process::reclaim_terminal();
+        }
+        if let Some(guard) = &self.guard {
+            guard.watch(None);
+        }
+        if !term.lost {
+            self.release(token).await;
+        }
+        let reason = term.reason.unwrap_or(EndReason::ChildExited);
+        (reason, term.status.unwrap_or(Exit::INTERNAL))
+    }
+
+    /// Starts the end of a term: the yield signal goes to the child's group
+    /// now, SIGKILL at `kill_at` (or the term's kill point, if sooner).
+    fn begin_ending(&self, term: &mut Term, reason: EndReason, kill_at: Instant) {
+        term.reason = Some(reason);
+        term.early_kill_at = Some(kill_at);
+        let grace = term.kill_at().saturating_duration_since(Instant::now());
+        info!(token = term.token, reason = reason.as_str(), kill_in = %show(grace), "term ending");
+        let signal = self.spec.yield_signal;
+        if term.status.is_none() {
+            term.child.signal_group(signal);
+        } else {
+            // Only leftovers remain: reach them wherever they went.
+            term.child.signal_everything(signal);
+        }
+        info!(
+            token = term.token,
+            signal = signal.as_str(),
+            "child signalled"
+        );
+    }
+
+    /// SIGKILL to the child's group and every other descendant.
+    fn kill(&self, term: &mut Term) {
+        term.killed = true;
+        term.child.signal_everything(Signal::SIGKILL);
+        info!(token = term.token, "child killed");
+    }
+
+    /// Reaps what ended, and notes whether the command is gone and whether
+    /// anything of it is left.
+    fn reap(&self, term: &mut Term) {
+        let reaped = process::reap();
+        for (pid, status) in reaped.exited {
+            if pid == term.child.pid {
+                term.status = process::exit_code(status);
+            }
+        }
+        if term.status.is_none() {
+            return;
+        }
+        let had_leftovers = term.leftovers;
+        term.leftovers = reaped.children_left;
+        if term.reason.is_none() {
+            info!(token = term.token, code = term.status, "child exited");
+            if term.leftovers {
+                // The command is gone but something it started is not: the
+                // term is not over until that is gone too.
+                let kill_at = self
+                    .spec
+                    .timing
+                    .early_kill_at(Instant::now(), &term.deadlines);
+                self.begin_ending(term, EndReason::ChildExited, kill_at);
+            } else {
+                term.reason = Some(EndReason::ChildExited);
+            }
+        } else if term.leftovers && term.killed {
+            // Descendants re-parented since the kill, or forked during it.
+            process::signal_descendants(Signal::SIGKILL);
+        } else if had_leftovers && !term.leftovers {
+            debug!(token = term.token, "the last descendant exited");
+        }
+    }
+
+    async fn release(&self, token: u64) {
+        match self.backend.release(token).await {
+            Ok(()) => info!(token, "lease released"),
+            Err(error) => {
+                warn!(token, error = %error, "release failed; the lease lapses at its expiry")
+            }
+        }
+    }
+}
+
+impl Spec {
+    fn wait_duration(&self) -> Duration {
+        match self.wait {
+            Wait::For(wait) => wait,
+            Wait::Once | Wait::Forever => Duration::ZERO,
+        }
+    }
+}
+
+/// The delay before attempt `failures + 1` against an unreachable backend:
+/// doubling from campaign_every, capped at 5 s (or campaign_every if longer).
+fn backoff(campaign_every: Duration, failures: u32) -> Duration {
+    let cap = campaign_every.max(Duration::from_secs(5));
+    campaign_every
+        .saturating_mul(1 << failures.saturating_sub(1).min(16))
+        .min(cap)
+}
+
+/// Rate-limited reporting of "could not ask the backend".
+#[derive(Default)]
+struct Health {
+    down_since: Option<Instant>,
+    last_warning: Option<Instant>,
+    failures: u64,
+}
+
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+impl Health {
+    fn unreachable(&mut self, error: &Unreachable) {
+        let now = Instant::now();
+        self.failures += 1;
+        let since = *self.down_since.get_or_insert(now);
+        if self.last_warning.is_none_or(|at| now - at >= WARN_EVERY) {
+            self.last_warning = Some(now);
+            warn!(error = %error, failures = self.failures, down_for = %show(now - since), "backend unreachable");
+        } else {
+            debug!(error = %error, "backend unreachable");
+        }
+    }
+
+    fn reachable(&mut self) {
+        if let Some(since) = self.down_since.take() {
+            info!(down_for = %show(Instant::now() - since), failures = self.failures, "backend reachable again");
+            self.failures = 0;
+            self.last_warning = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_campaign_every_up_to_five_seconds() {
+        let every = Duration::from_millis(500);
+        let delays: Vec<u64> = (1..=6)
+            .map(|n| backoff(every, n).as_millis() as u64)
+            .collect();
+        assert_eq!(delays, [500, 1000, 2000, 4000, 5000, 5000]);
+        assert_eq!(backoff(Duration::from_secs(9), 3), Duration::from_secs(9));
+    }
+}

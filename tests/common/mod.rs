@@ -1,0 +1,297 @@
+//! The test harness: runs the built `leaderrun` binary as a user would, in a
+//! private temporary directory, and looks at what a user would see: exit
+//! codes, log lines, the files children wrote, which pids are alive.
+
+#![allow(dead_code)]
+
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_leaderrun");
+
+/// Timing for tests: a 2 s ttl keeps waits short; the budget for a backend
+/// outage is ttl − renew − grace − release − margin = 600 ms.
+pub const FAST: [&str; 12] = [
+    "--ttl",
+    "2s",
+    "--renew-every",
+    "400ms",
+    "--campaign-every",
+    "100ms",
+    "--margin",
+    "200ms",
+    "--yield-grace",
+    "500ms",
+    "--release-timeout",
+    "300ms",
+];
+
+/// A private directory for one test, removed when the test ends.
+pub struct Sandbox {
+    dir: tempfile::TempDir,
+}
+
+impl Sandbox {
+    pub fn new() -> Sandbox {
+        Sandbox {
+            dir: tempfile::Builder::new()
+                .prefix("leaderrun-test-")
+                .tempdir()
+                .expect("temp dir"),
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.path("state")
+    }
+
+    /// The file backend URL of this sandbox.
+    pub fn backend(&self) -> String {
+        format!("file:{}", self.state_dir().display())
+    }
+
+    /// `leaderrun --backend <sandbox> --key <key> <FAST timing>`; add the
+    /// command with `.sh(..)` or `.command(..)`.
+    pub fn leaderrun(&self, key: &str) -> Run {
+        let mut run = Run::new(self.dir.path());
+        run.args(["--backend", &self.backend(), "--key", key])
+            .args(FAST);
+        run
+    }
+
+    /// The whole contents of a file the children wrote, or "" if none yet.
+    pub fn read(&self, name: &str) -> String {
+        fs::read_to_string(self.path(name)).unwrap_or_default()
+    }
+
+    /// The non-empty lines of a file the children wrote.
+    pub fn lines(&self, name: &str) -> Vec<String> {
+        self.read(name)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Waits until a file holds a number (a pid a child wrote) and returns it.
+    pub fn wait_pid(&self, name: &str) -> Pid {
+        let path = self.path(name);
+        let mut pid = None;
+        assert!(
+            wait_until(Duration::from_secs(10), || {
+                pid = fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok());
+                pid.is_some()
+            }),
+            "no pid in {}",
+            path.display()
+        );
+        Pid::from_raw(pid.unwrap())
+    }
+}
+
+/// A leaderrun command line being built.
+pub struct Run {
+    cmd: Command,
+    dir: PathBuf,
+    added_command: bool,
+}
+
+impl Run {
+    pub fn new(dir: &Path) -> Run {
+        let mut cmd = Command::new(BIN);
+        cmd.current_dir(dir)
+            .env_remove("LEADERRUN_BACKEND")
+            .env_remove("LEADERRUN_KEY")
+            .env_remove("LEADERRUN_LOG")
+            .env("SANDBOX", dir)
+            .stdin(Stdio::null());
+        Run {
+            cmd,
+            dir: dir.to_owned(),
+            added_command: false,
+        }
+    }
+
+    pub fn arg(&mut self, arg: impl AsRef<OsStr>) -> &mut Run {
+        self.cmd.arg(arg);
+        self
+    }
+
+    pub fn args<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&mut self, args: I) -> &mut Run {
+        self.cmd.args(args);
+        self
+    }
+
+    pub fn env(&mut self, name: &str, value: impl AsRef<OsStr>) -> &mut Run {
+        self.cmd.env(name, value);
+        self
+    }
+
+    /// The command to lead with: `-- sh -c <script>`. The script runs in the
+    /// sandbox directory, which is also in `$SANDBOX`.
+    pub fn sh(&mut self, script: &str) -> &mut Run {
+        self.command(["sh", "-c", script])
+    }
+
+    pub fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&mut self, command: I) -> &mut Run {
+        assert!(!self.added_command, "command given twice");
+        self.added_command = true;
+        self.cmd.arg("--").args(command);
+        self
+    }
+
+    pub fn spawn(&mut self) -> Replica {
+        let n = NEXT_LOG.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let stderr = self.dir.join(format!("leaderrun-{n}.stderr"));
+        let stdout = self.dir.join(format!("leaderrun-{n}.stdout"));
+        self.cmd
+            .stderr(fs::File::create(&stderr).unwrap())
+            .stdout(fs::File::create(&stdout).unwrap());
+        let child = self.cmd.spawn().expect("spawn leaderrun");
+        Replica {
+            child,
+            stderr,
+            stdout,
+            status: None,
+        }
+    }
+
+    /// Runs to completion (at most 30 s) and returns what it printed.
+    pub fn run(&mut self) -> Finished {
+        let mut replica = self.spawn();
+        let code = replica
+            .wait(Duration::from_secs(30))
+            .expect("leaderrun did not finish in 30 s");
+        Finished {
+            code,
+            stdout: replica.stdout(),
+            stderr: replica.stderr(),
+        }
+    }
+}
+
+static NEXT_LOG: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[derive(Debug)]
+pub struct Finished {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// A running leaderrun. Killed (SIGKILL) if the test drops it still running.
+pub struct Replica {
+    child: std::process::Child,
+    stderr: PathBuf,
+    stdout: PathBuf,
+    status: Option<ExitStatus>,
+}
+
+impl Replica {
+    pub fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.id() as i32)
+    }
+
+    pub fn signal(&self, signal: Signal) {
+        kill(self.pid(), signal).expect("signal leaderrun");
+    }
+
+    /// Waits for exit; returns the exit code (128+N for a signal).
+    pub fn wait(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.status.or_else(|| self.child.try_wait().unwrap()) {
+                self.status = Some(status);
+                use std::os::unix::process::ExitStatusExt;
+                return Some(
+                    status
+                        .code()
+                        .unwrap_or_else(|| 128 + status.signal().unwrap()),
+                );
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    pub fn running(&mut self) -> bool {
+        self.wait(Duration::ZERO).is_none()
+    }
+
+    pub fn stderr(&self) -> String {
+        fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    pub fn stdout(&self) -> String {
+        fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    /// Waits until the log has a line containing `needle`.
+    pub fn wait_log(&self, needle: &str, timeout: Duration) -> bool {
+        wait_until(timeout, || self.stderr().contains(needle))
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Polls `condition` every 5 ms until it holds or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Whether `pid` is a living process (not gone, not a zombie).
+pub fn alive(pid: Pid) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next());
+            !matches!(state, Some("Z") | Some("X") | None)
+        }
+        Err(_) => false,
+    }
+}
+
+/// Waits until `pid` is dead; returns how long that took, or None.
+pub fn wait_dead(pid: Pid, timeout: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    wait_until(timeout, || !alive(pid)).then(|| start.elapsed())
+}
+
+/// Kills a pid if it is still alive (cleanup for processes a test expected
+/// leaderrun to kill).
+pub fn ensure_dead(pid: Pid) {
+    if alive(pid) {
+        let _ = kill(pid, Signal::SIGKILL);
+    }
+}
