@@ -13,6 +13,7 @@ use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
     about = "Run a command on exactly one replica at a time, behind a renewed lease with fencing tokens.",
     override_usage = "leaderrun [OPTIONS] --key <KEY> -- <COMMAND> [ARGS]...\n       leaderrun status [OPTIONS] --key <KEY>",
     args_conflicts_with_subcommands = true,
+    args_override_self = true,
     subcommand_negates_reqs = true
 )]
 pub struct Cli {

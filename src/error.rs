@@ -5,6 +5,8 @@
 
 use std::process::ExitCode;
 
+use crate::timeline::{Timing, show};
+
 /// How a run of leaderrun ends. `main` turns this into the process status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
@@ -67,17 +69,8 @@ pub enum ConfigError {
     Signal(String),
     #[error("{flag} must be greater than zero (got {value})")]
     ZeroDuration { flag: &'static str, value: String },
-    #[error(
-        "timing invariant violated: renew_every ({renew_every}) + yield_grace ({yield_grace}) + release_timeout ({release_timeout}) + margin ({margin}) = {sum}, which must be less than ttl ({ttl}); raise --ttl above {sum} or shorten the others"
-    )]
-    Invariant {
-        renew_every: String,
-        yield_grace: String,
-        release_timeout: String,
-        margin: String,
-        sum: String,
-        ttl: String,
-    },
+    #[error("{}", invariant_message(.0))]
+    Invariant(Timing),
     #[error("invalid backend URL {url:?}: {why}")]
     BackendUrl { url: String, why: String },
     #[error("unsafe state directory {path}: {why}")]
@@ -112,4 +105,16 @@ impl CommandError {
             CommandError::NotExecutable(_) => Exit::NOT_EXECUTABLE,
         }
     }
+}
+
+fn invariant_message(t: &Timing) -> String {
+    let sum = show(t.renew_every + t.yield_grace + t.release_timeout + t.margin);
+    format!(
+        "timing invariant violated: renew_every ({}) + yield_grace ({}) + release_timeout ({}) + margin ({}) = {sum}, which must be less than ttl ({}); raise --ttl above {sum} or shorten the others",
+        show(t.renew_every),
+        show(t.yield_grace),
+        show(t.release_timeout),
+        show(t.margin),
+        show(t.ttl),
+    )
 }

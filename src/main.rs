@@ -104,12 +104,16 @@ fn run(args: RunArgs) -> Result<Exit, Failure> {
         .max_blocking_threads(4)
         .build()
         .context("cannot start the runtime")?;
-    runtime.block_on(async {
+    let exit = runtime.block_on(async {
         let signals = signals::Signals::register().context("cannot register signal handlers")?;
         let backend = Backend::open(&spec)?;
         let supervisor = supervisor::Supervisor::new(spec, program, backend, signals, guard);
-        Ok(supervisor.run().await)
-    })
+        Ok::<_, Failure>(supervisor.run().await)
+    });
+    // A backend call abandoned at its timeout may still occupy a blocking
+    // thread; exiting must not wait for it.
+    runtime.shutdown_background();
+    exit
 }
 
 /// Opens /dev/null on any of fds 0–2 that is closed, so no file leaderrun

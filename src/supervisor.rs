@@ -372,6 +372,16 @@ impl Supervisor {
 
     /// SIGKILL to the child's group and every other descendant.
     fn kill(&self, term: &mut Term) {
+        if term.reason.is_none() {
+            // The kill point passed before the yield point was acted on: a
+            // supervisor that was paused past both. Kill first, then say why.
+            term.reason = Some(EndReason::Deadline);
+            info!(
+                token = term.token,
+                reason = EndReason::Deadline.as_str(),
+                "term ending"
+            );
+        }
         term.killed = true;
         term.child.signal_everything(Signal::SIGKILL);
         info!(token = term.token, "child killed");
@@ -389,7 +399,7 @@ impl Supervisor {
         if term.status.is_none() {
             return;
         }
-        let had_leftovers = term.leftovers;
+        let first_sight = !term.leftovers;
         term.leftovers = reaped.children_left;
         if term.reason.is_none() {
             info!(token = term.token, code = term.status, "child exited");
@@ -407,14 +417,18 @@ impl Supervisor {
         } else if term.leftovers && term.killed {
             // Descendants re-parented since the kill, or forked during it.
             process::signal_descendants(Signal::SIGKILL);
-        } else if had_leftovers && !term.leftovers {
-            debug!(token = term.token, "the last descendant exited");
+        } else if term.leftovers && first_sight {
+            // The term is ending and the command is gone, but descendants that
+            // left its group never got the yield signal: give them the same
+            // grace, within the same kill point.
+            process::signal_descendants(self.spec.yield_signal);
         }
     }
 
     async fn release(&self, token: u64) {
         match self.backend.release(token).await {
-            Ok(()) => info!(token, "lease released"),
+            Ok(true) => info!(token, "lease released"),
+            Ok(false) => info!(token, "lease already lapsed; nothing to release"),
             Err(error) => {
                 warn!(token, error = %error, "release failed; the lease lapses at its expiry")
             }

@@ -23,7 +23,8 @@ pub struct Timing {
 }
 
 impl Timing {
-    /// The defaults of SPEC §2.
+    /// The defaults of SPEC §2 (clap holds the same values as text).
+    #[cfg(test)]
     pub const DEFAULT: Timing = Timing {
         ttl: Duration::from_secs(6),
         renew_every: Duration::from_secs(2),
@@ -33,9 +34,10 @@ impl Timing {
         release_timeout: Duration::from_millis(500),
     };
 
-    /// Refuses zero durations and `renew_every + yield_grace + release_timeout
-    /// + margin >= ttl`: the child's grace and its kill have to fall before the
-    /// lease could lapse, with one renewal attempted before the yield.
+    /// Refuses zero durations, and a sum of renew_every, yield_grace,
+    /// release_timeout and margin that reaches ttl: the child's grace and its
+    /// kill have to fall before the lease could lapse, with one renewal
+    /// attempted before the yield.
     pub fn validate(self) -> Result<Timing, ConfigError> {
         let named = [
             ("--ttl", self.ttl),
@@ -53,14 +55,7 @@ impl Timing {
         }
         let sum = self.renew_every + self.yield_grace + self.release_timeout + self.margin;
         if sum >= self.ttl {
-            return Err(ConfigError::Invariant {
-                renew_every: show(self.renew_every),
-                yield_grace: show(self.yield_grace),
-                release_timeout: show(self.release_timeout),
-                margin: show(self.margin),
-                sum: show(sum),
-                ttl: show(self.ttl),
-            });
+            return Err(ConfigError::Invariant(self));
         }
         Ok(self)
     }

@@ -149,10 +149,11 @@ impl FileBackend {
             .unwrap_or_else(|e| Err(Unreachable::Corrupt(e.to_string()).into()))
     }
 
-    pub async fn release(&self, token: u64) -> Result<(), Unreachable> {
+    pub async fn release(&self, token: u64) -> Result<bool, Unreachable> {
         self.blocking(move |shared| shared.release(token)).await
     }
 
+    #[allow(dead_code)] // See Backend::advance_fence.
     pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
         self.blocking(move |shared| shared.advance_fence(floor))
             .await
@@ -280,22 +281,22 @@ impl Shared {
         }
     }
 
-    fn release(&self, token: u64) -> Result<(), Unreachable> {
+    fn release(&self, token: u64) -> Result<bool, Unreachable> {
         let me = self.me();
         self.locked(|lease| {
             let mut record = lease.read()?;
-            if record
+            let ours = record
                 .holder
                 .as_ref()
-                .is_some_and(|h| h.instance == me.instance && h.token == token)
-            {
+                .is_some_and(|h| h.instance == me.instance && h.token == token);
+            if ours {
                 record.holder = None;
                 // Not synced: after a crash the dead holder's liveness byte is
                 // free anyway. The write is what wakes the followers.
                 lease.write(&mut record, false)?;
             }
             lease.unlock_liveness(token);
-            Ok(())
+            Ok(ours)
         })
     }
 
@@ -901,12 +902,13 @@ mod tests {
         assert!(holder.expires_in.unwrap() <= Duration::from_secs(6));
         a.renew(1).unwrap();
         assert!(matches!(b.renew(1), Err(RenewError::Lost(Some(_)))));
-        a.release(1).unwrap();
+        assert!(a.release(1).unwrap());
+        assert!(!a.release(1).unwrap(), "a second release finds nothing");
         assert!(matches!(a.renew(1), Err(RenewError::Lost(None))));
         assert_eq!(b.acquire().unwrap(), Attempt::Acquired { token: 2 });
         assert_eq!(b.advance_fence(50).unwrap(), 50);
         assert_eq!(b.advance_fence(10).unwrap(), 50);
-        b.release(2).unwrap();
+        assert!(b.release(2).unwrap());
         assert_eq!(a.acquire().unwrap(), Attempt::Acquired { token: 51 });
         std::fs::remove_dir_all(&dir).unwrap();
     }

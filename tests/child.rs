@@ -1,0 +1,204 @@
+//! The child (SPEC §4): what it inherits, its terminal, and leaderrun as
+//! PID 1.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{BIN, FAST, Sandbox, wait_until};
+use nix::sys::signal::Signal;
+
+const LONG: Duration = Duration::from_secs(15);
+
+#[test]
+fn leaderrun_adds_no_descriptor_to_what_the_child_inherits() {
+    let sandbox = Sandbox::new();
+    // `ls` lists the descriptors of the shell; any lease file, lock, pipe or
+    // inotify descriptor of leaderrun's leaking into it would show. The
+    // baseline is the same shell started directly: descriptors the test
+    // process itself passes on are leaderrun's to pass on too.
+    let list = "exec ls /proc/self/fd";
+    let numbers = |text: &str| {
+        let mut fds: Vec<u32> = text
+            .split_whitespace()
+            .map(|f| f.parse().unwrap())
+            .collect();
+        fds.sort();
+        fds
+    };
+    let direct = Command::new("sh")
+        .args(["-c", list])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let direct = numbers(&String::from_utf8_lossy(&direct.stdout));
+    assert_eq!(direct[..3], [0, 1, 2]);
+    let out = sandbox.leaderrun("fds").sh(list).run();
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(numbers(&out.stdout), direct);
+}
+
+#[test]
+fn an_operator_deleting_the_lease_makes_the_leader_yield_and_campaign_again() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("deleted")
+        .sh("trap 'echo yielded >> events; exit 0' TERM; echo $LEADERRUN_TOKEN >> tokens; while :; do sleep 0.02; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.lines("tokens").len() == 1));
+    for entry in std::fs::read_dir(sandbox.state_dir()).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    // The next renewal (every 400 ms) finds no lease: the term is lost, the
+    // child is told at once, and leaderrun leads again on a new file.
+    assert!(wait_until(LONG, || sandbox
+        .read("events")
+        .contains("yielded")));
+    assert!(leader.wait_log("lease lost", LONG), "{}", leader.stderr());
+    assert!(
+        wait_until(LONG, || sandbox.lines("tokens").len() == 2),
+        "{}",
+        leader.stderr()
+    );
+    assert!(leader.stderr().contains("reason=lost"));
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(0));
+}
+
+/// A pseudo-terminal whose slave side is leaderrun's controlling terminal,
+/// with everything written to it collected in the background.
+struct Terminal {
+    master: OwnedFd,
+    output: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl Terminal {
+    fn spawn(mut command: Command) -> (Terminal, std::process::Child) {
+        let pty = nix::pty::openpty(None, None).expect("openpty");
+        let slave = pty.slave;
+        command
+            .stdin(Stdio::from(slave.try_clone().unwrap()))
+            .stdout(Stdio::from(slave.try_clone().unwrap()))
+            .stderr(Stdio::from(slave));
+        // SAFETY: setsid and ioctl are async-signal-safe.
+        unsafe {
+            command.pre_exec(|| {
+                nix::unistd::setsid()?;
+                if libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().expect("spawn leaderrun on a terminal");
+        let output = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut reader = std::fs::File::from(pty.master.try_clone().unwrap());
+        let sink = output.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = reader.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        });
+        (
+            Terminal {
+                master: pty.master,
+                output,
+            },
+            child,
+        )
+    }
+
+    fn type_in(&self, bytes: &[u8]) {
+        let mut master = std::fs::File::from(self.master.try_clone().unwrap());
+        master.write_all(bytes).unwrap();
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    }
+}
+
+#[test]
+fn on_a_terminal_the_child_reads_input_and_ctrl_c_reaches_it() {
+    let sandbox = Sandbox::new();
+    let mut command = Command::new(BIN);
+    command
+        .current_dir(sandbox.path(""))
+        .args(["--backend", &sandbox.backend(), "--key", "tty"])
+        .args(FAST)
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "echo ready > ready; read line; echo \"read:$line\" > got; exec sleep 300",
+        ]);
+    let (terminal, mut leaderrun) = Terminal::spawn(command);
+    assert!(
+        wait_until(LONG, || sandbox.path("ready").exists()),
+        "{}",
+        terminal.text()
+    );
+    // A child in a background group would be stopped by SIGTTIN here.
+    terminal.type_in(b"hello\n");
+    assert!(
+        wait_until(LONG, || sandbox.read("got").contains("read:hello")),
+        "{}",
+        terminal.text()
+    );
+    // Ctrl-C goes to the terminal's foreground group, which is the child's.
+    terminal.type_in(&[0x03]);
+    let mut code = None;
+    assert!(wait_until(LONG, || {
+        code = leaderrun.try_wait().unwrap();
+        code.is_some()
+    }));
+    let status = code.unwrap();
+    assert_eq!(status.code(), Some(130), "{status:?}: {}", terminal.text());
+    assert!(
+        terminal.text().contains("lease released"),
+        "{}",
+        terminal.text()
+    );
+}
+
+#[test]
+fn as_pid_1_it_reaps_orphans_without_losing_the_childs_status() {
+    let sandbox = Sandbox::new();
+    // In a new PID namespace leaderrun is PID 1, so the orphan re-parents
+    // to it; a zombie left behind would show as state Z in /proc.
+    let script = "sh -c 'sleep 0.1 & echo $! > orphan.pid'; sleep 0.6; \
+                  if grep -q ') Z' /proc/$(cat orphan.pid)/stat 2>/dev/null; then echo zombie; else echo reaped; fi > orphan-state; \
+                  echo $PPID > parent.pid; exit 7";
+    let out = Command::new("unshare")
+        .args([
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            BIN,
+            "--backend",
+            &sandbox.backend(),
+            "--key",
+            "pid1",
+        ])
+        .args(FAST)
+        .args(["--", "sh", "-c", script])
+        .current_dir(sandbox.path(""))
+        .output()
+        .expect("unshare");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{stderr}");
+    assert_eq!(sandbox.read("orphan-state").trim(), "reaped", "{stderr}");
+    assert_eq!(
+        sandbox.read("parent.pid").trim(),
+        "1",
+        "leaderrun ran as PID 1"
+    );
+}

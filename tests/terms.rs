@@ -1,0 +1,493 @@
+//! The term timeline on the file backend (SPEC §3, §6): exclusion, handover,
+//! stopping, crashes, pauses, and the waiting modes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Sandbox, alive, ensure_dead, wait_dead, wait_until};
+use nix::sys::signal::Signal;
+
+const LONG: Duration = Duration::from_secs(15);
+
+#[test]
+fn replicas_never_overlap_and_hand_over_promptly() {
+    let sandbox = Sandbox::new();
+    // Each child claims a directory that only one process can create; a
+    // second one running at the same time records an overlap.
+    let job = "mkdir running 2>/dev/null || echo overlap >> overlaps; \
+               echo $LEADERRUN_TOKEN >> tokens; sleep 0.3; rmdir running; \
+               date +%s%N >> ends";
+    let mut replicas: Vec<_> = (0..3)
+        .map(|_| {
+            sandbox
+                .leaderrun("exclusive")
+                .args(["--campaign-every", "5s"])
+                .sh(job)
+                .spawn()
+        })
+        .collect();
+    for replica in &mut replicas {
+        assert_eq!(replica.wait(LONG), Some(0), "{}", replica.stderr());
+    }
+    assert_eq!(sandbox.read("overlaps"), "", "two children ran at once");
+    let tokens = sandbox.lines("tokens");
+    assert_eq!(tokens, ["1", "2", "3"], "one term each, tokens in order");
+    // Three 0.3 s jobs back to back; with a 5 s campaign period, only
+    // release notices can make this fast.
+    let ends: Vec<u128> = sandbox
+        .lines("ends")
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    let span = Duration::from_nanos((ends[2] - ends[0]) as u64);
+    assert!(
+        span < Duration::from_secs(2),
+        "handovers waited for polling: {span:?}"
+    );
+}
+
+#[test]
+fn a_release_wakes_a_waiting_follower_at_once() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("wake")
+        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done; date +%s%N > a-ended")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let mut follower = sandbox
+        .leaderrun("wake")
+        .args(["--campaign-every", "10s"])
+        .sh("date +%s%N > b-started")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_millis(300)); // the follower is waiting now
+    std::fs::write(sandbox.path("stop"), "").unwrap();
+    assert_eq!(leader.wait(LONG), Some(0));
+    assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
+    let ended: u128 = sandbox.read("a-ended").trim().parse().unwrap();
+    let started: u128 = sandbox.read("b-started").trim().parse().unwrap();
+    let gap = Duration::from_nanos((started - ended) as u64);
+    assert!(
+        gap < Duration::from_secs(2),
+        "follower waited {gap:?} with a 10 s campaign period"
+    );
+}
+
+#[test]
+fn a_graceful_stop_yields_then_kills_a_child_that_ignores_it() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("stop")
+        .sh("trap 'echo term >> signals' TERM; echo $$ > child.pid; while :; do sleep 0.02; done")
+        .spawn();
+    let child = sandbox.wait_pid("child.pid");
+    leader.signal(Signal::SIGTERM);
+    assert!(
+        wait_until(LONG, || sandbox.read("signals").contains("term")),
+        "the child got no yield signal"
+    );
+    // This child traps TERM and carries on: it dies only at the kill point,
+    // yield_grace + release_timeout = 800 ms after the stop.
+    let stopped = Instant::now();
+    assert!(alive(child));
+    let code = leader.wait(LONG).expect("leaderrun exits");
+    let took = stopped.elapsed();
+    assert_eq!(code, 137, "exit status of a child killed by SIGKILL");
+    assert!(!alive(child));
+    assert!(
+        took >= Duration::from_millis(650),
+        "killed after only {took:?}"
+    );
+    assert!(took < Duration::from_secs(5), "killed after {took:?}");
+    let log = leader.stderr();
+    assert!(
+        log.contains("term ending") && log.contains("reason=stopped"),
+        "{log}"
+    );
+    assert!(
+        log.contains("child signalled")
+            && log.contains("child killed")
+            && log.contains("lease released"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_child_that_obeys_the_yield_signal_passes_its_status_on() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("obey")
+        .args(["--yield-signal", "USR1"])
+        .sh("trap 'exit 9' USR1; echo $$ > child.pid; while :; do sleep 0.02; done")
+        .spawn();
+    sandbox.wait_pid("child.pid");
+    leader.signal(Signal::SIGINT);
+    assert_eq!(leader.wait(LONG), Some(9), "{}", leader.stderr());
+}
+
+#[test]
+fn a_second_stop_signal_kills_at_once() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("twice")
+        .args(["--yield-grace", "5s", "--ttl", "20s"])
+        .sh("trap '' TERM; echo $$ > child.pid; while :; do sleep 0.02; done")
+        .spawn();
+    let child = sandbox.wait_pid("child.pid");
+    leader.signal(Signal::SIGTERM);
+    assert!(leader.wait_log("child signalled", LONG));
+    let second = Instant::now();
+    leader.signal(Signal::SIGQUIT);
+    assert_eq!(leader.wait(LONG), Some(137));
+    assert!(
+        second.elapsed() < Duration::from_secs(3),
+        "took {:?} with a 5 s grace",
+        second.elapsed()
+    );
+    assert!(!alive(child));
+}
+
+#[test]
+fn stopped_while_following_exits_zero() {
+    let sandbox = Sandbox::new();
+    let _leader = sandbox
+        .leaderrun("follow")
+        .sh("touch started; sleep 30")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("started").exists()));
+    let mut follower = sandbox.leaderrun("follow").sh("touch follower-ran").spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    follower.signal(Signal::SIGTERM);
+    assert_eq!(follower.wait(LONG), Some(0));
+    assert!(!sandbox.path("follower-ran").exists());
+}
+
+#[test]
+fn killing_leaderrun_kills_the_child_and_grandchild_and_frees_the_lease_at_once() {
+    let sandbox = Sandbox::new();
+    let leader = sandbox
+        .leaderrun("crash")
+        .args(["--ttl", "30s"])
+        .sh("sleep 300 & echo $! > grandchild.pid; echo $$ > child.pid; wait")
+        .spawn();
+    let child = sandbox.wait_pid("child.pid");
+    let grandchild = sandbox.wait_pid("grandchild.pid");
+    let mut follower = sandbox
+        .leaderrun("crash")
+        .args(["--ttl", "30s", "--campaign-every", "10s"])
+        .sh("echo $LEADERRUN_TOKEN > follower-token; date +%s%N > follower-started")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_millis(200));
+
+    let killed_at = Instant::now();
+    leader.signal(Signal::SIGKILL);
+    let child_gone = wait_dead(child, Duration::from_secs(5));
+    let grandchild_gone = wait_dead(grandchild, Duration::from_secs(5));
+    ensure_dead(child);
+    ensure_dead(grandchild);
+    assert!(child_gone.is_some(), "the child outlived leaderrun");
+    assert!(
+        grandchild_gone.is_some(),
+        "the grandchild outlived leaderrun"
+    );
+    // SPEC §4: within 100 ms; a loaded 2-core CI box gets some slack.
+    assert!(
+        grandchild_gone.unwrap() < Duration::from_secs(1),
+        "{grandchild_gone:?}"
+    );
+
+    assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
+    let takeover = killed_at.elapsed();
+    assert_eq!(sandbox.read("follower-token").trim(), "2");
+    // A dead holder frees the lease at once: far below the 30 s ttl and the
+    // 10 s campaign period.
+    assert!(
+        takeover < Duration::from_secs(3),
+        "takeover took {takeover:?}"
+    );
+}
+
+#[test]
+fn tokens_keep_growing_after_every_process_is_killed() {
+    let sandbox = Sandbox::new();
+    for expected in 1..=3 {
+        let mut leader = sandbox
+            .leaderrun("k9")
+            .sh("echo $LEADERRUN_TOKEN > token; sleep 300")
+            .spawn();
+        assert!(wait_until(LONG, || !sandbox.read("token").is_empty()));
+        assert_eq!(sandbox.read("token").trim(), expected.to_string());
+        leader.signal(Signal::SIGKILL);
+        leader.wait(LONG);
+        std::fs::remove_file(sandbox.path("token")).unwrap();
+    }
+}
+
+#[test]
+fn a_paused_supervisor_loses_the_lease_and_kills_its_child_on_waking() {
+    let sandbox = Sandbox::new();
+    let mut stuck = sandbox
+        .leaderrun("pause")
+        .sh("echo $$ > a.pid; exec sleep 300")
+        .spawn();
+    let a_child = sandbox.wait_pid("a.pid");
+    let mut follower = sandbox
+        .leaderrun("pause")
+        .sh("echo $LEADERRUN_TOKEN > b-token; while [ ! -e b-stop ]; do sleep 0.02; done")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+
+    let paused_at = Instant::now();
+    stuck.signal(Signal::SIGSTOP);
+    // Alive but stuck: the follower takes over once the ttl (2 s) has passed,
+    // not before.
+    assert!(wait_until(LONG, || !sandbox.read("b-token").is_empty()));
+    let took = paused_at.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500),
+        "took over a live lease after {took:?}"
+    );
+    assert_eq!(sandbox.read("b-token").trim(), "2");
+    assert!(
+        alive(a_child),
+        "SIGSTOP stops leaderrun only; its child runs on"
+    );
+
+    let woke = Instant::now();
+    stuck.signal(Signal::SIGCONT);
+    let gone = wait_dead(a_child, Duration::from_secs(5));
+    ensure_dead(a_child);
+    assert!(gone.is_some(), "the stale child survived the wake-up");
+    assert!(
+        woke.elapsed() < Duration::from_secs(1),
+        "killed {:?} after waking",
+        woke.elapsed()
+    );
+    // Back to campaigning, whether the renewal's "lost" or the release's
+    // "already lapsed" came first.
+    assert!(
+        wait_until(LONG, || stuck.stderr().matches("campaign started").count()
+            == 2),
+        "{}",
+        stuck.stderr()
+    );
+    let log = stuck.stderr();
+    assert!(
+        log.contains("reason=deadline") && log.contains("child killed"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("lease released"),
+        "released a lease it no longer held: {log}"
+    );
+
+    // The stale replica campaigns again and leads the next term.
+    assert!(stuck.running());
+    std::fs::write(sandbox.path("b-stop"), "").unwrap();
+    assert_eq!(follower.wait(LONG), Some(0));
+    let next = sandbox.wait_pid("a.pid");
+    assert_ne!(next, a_child, "the command runs again in the next term");
+    assert!(stuck.wait_log("token=3", LONG));
+}
+
+#[test]
+fn forwarded_signals_do_not_end_the_term() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("hup")
+        .sh("trap 'echo hup >> got' HUP; trap 'echo usr2 >> got' USR2; echo $$ > child.pid; while [ ! -e stop ]; do sleep 0.02; done; exit 5")
+        .spawn();
+    let child = sandbox.wait_pid("child.pid");
+    leader.signal(Signal::SIGHUP);
+    assert!(wait_until(LONG, || sandbox.read("got").contains("hup")));
+    leader.signal(Signal::SIGUSR2);
+    assert!(wait_until(LONG, || sandbox.read("got").contains("usr2")));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        alive(child) && leader.running(),
+        "a forwarded signal ended the term"
+    );
+    std::fs::write(sandbox.path("stop"), "").unwrap();
+    assert_eq!(leader.wait(LONG), Some(5));
+}
+
+#[test]
+fn a_setsid_grandchild_does_not_outlive_the_term() {
+    let sandbox = Sandbox::new();
+    // The child starts a process in a new session (outside its group) that
+    // ignores the yield signal, then exits.
+    let out = sandbox
+        .leaderrun("escape")
+        .sh(
+            "setsid sh -c 'trap \"\" TERM; echo $$ > escapee.pid; while :; do sleep 0.02; done' & \
+             while [ ! -s escapee.pid ]; do sleep 0.01; done; exit 4",
+        )
+        .run();
+    let escapee = sandbox.wait_pid("escapee.pid");
+    let dead = !alive(escapee);
+    ensure_dead(escapee);
+    assert_eq!(out.code, 4, "{}", out.stderr);
+    assert!(dead, "the setsid'd grandchild outlived the term");
+    assert!(out.stderr.contains("child killed"), "{}", out.stderr);
+}
+
+#[test]
+fn a_double_forked_daemon_is_killed_when_the_term_is_stopped() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("daemon")
+        .sh("(setsid sh -c 'echo $$ > daemon.pid; exec sleep 300' &); echo $$ > child.pid; exec sleep 300")
+        .spawn();
+    let daemon = sandbox.wait_pid("daemon.pid");
+    sandbox.wait_pid("child.pid");
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(143));
+    let dead = !alive(daemon);
+    ensure_dead(daemon);
+    assert!(dead, "the daemon survived the term");
+}
+
+#[test]
+fn no_wait_gives_up_with_75_when_the_lease_is_held() {
+    let sandbox = Sandbox::new();
+    let _leader = sandbox
+        .leaderrun("nowait")
+        .sh("touch started; sleep 30")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("started").exists()));
+    let out = sandbox
+        .leaderrun("nowait")
+        .arg("--no-wait")
+        .sh("touch second-ran")
+        .run();
+    assert_eq!(out.code, 75, "{}", out.stderr);
+    assert!(!sandbox.path("second-ran").exists());
+}
+
+#[test]
+fn wait_gives_up_with_75_after_its_duration() {
+    let sandbox = Sandbox::new();
+    let _leader = sandbox
+        .leaderrun("wait")
+        .sh("touch started; sleep 30")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("started").exists()));
+    let start = Instant::now();
+    let out = sandbox
+        .leaderrun("wait")
+        .args(["--wait", "700ms"])
+        .sh("touch second-ran")
+        .run();
+    assert_eq!(out.code, 75, "{}", out.stderr);
+    assert!(start.elapsed() >= Duration::from_millis(700));
+    assert!(!sandbox.path("second-ran").exists());
+}
+
+/// Holds the lease file's mutex byte from another process, the way a
+/// replica stopped in the middle of a read-modify-write would: the backend
+/// cannot be asked, which is not the same as "held elsewhere".
+fn block_the_backend(sandbox: &Sandbox, key: &str) -> std::process::Child {
+    let out = sandbox.leaderrun(key).sh("true").run();
+    assert_eq!(out.code, 0);
+    let file = std::fs::read_dir(sandbox.state_dir())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let script = format!(
+        "import fcntl, os, time\nfd = os.open({:?}, os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX, 1, 1 << 40)\nopen('blocked', 'w').close()\ntime.sleep(60)\n",
+        file.display().to_string()
+    );
+    let blocker = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .current_dir(sandbox.path(""))
+        .spawn()
+        .expect("python3");
+    assert!(wait_until(LONG, || sandbox.path("blocked").exists()));
+    blocker
+}
+
+#[test]
+fn no_wait_gives_up_with_69_when_the_backend_cannot_be_asked() {
+    let sandbox = Sandbox::new();
+    let mut blocker = block_the_backend(&sandbox, "blocked");
+    let out = sandbox
+        .leaderrun("blocked")
+        .arg("--no-wait")
+        .sh("touch ran")
+        .run();
+    blocker.kill().unwrap();
+    blocker.wait().unwrap();
+    assert_eq!(out.code, 69, "{}", out.stderr);
+    assert!(out.stderr.contains("backend unreachable"), "{}", out.stderr);
+    assert!(!sandbox.path("ran").exists());
+}
+
+#[test]
+fn an_unreachable_backend_is_retried_until_it_answers() {
+    let sandbox = Sandbox::new();
+    let mut blocker = block_the_backend(&sandbox, "retry");
+    let mut replica = sandbox
+        .leaderrun("retry")
+        .sh("echo $LEADERRUN_TOKEN > token")
+        .spawn();
+    assert!(replica.wait_log("backend unreachable", LONG));
+    blocker.kill().unwrap();
+    blocker.wait().unwrap();
+    assert_eq!(replica.wait(LONG), Some(0), "{}", replica.stderr());
+    assert_eq!(sandbox.read("token").trim(), "2");
+    assert!(
+        replica.stderr().contains("backend reachable again"),
+        "{}",
+        replica.stderr()
+    );
+}
+
+#[test]
+fn hold_for_keeps_the_lease_after_a_short_job() {
+    let sandbox = Sandbox::new();
+    let start = Instant::now();
+    let mut early = sandbox
+        .leaderrun("cron")
+        .args(["--hold-for", "1500ms"])
+        .sh("touch ran-1")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("ran-1").exists()));
+    // A replica whose cron fired a little later finds the lease still held.
+    let late = sandbox
+        .leaderrun("cron")
+        .arg("--no-wait")
+        .sh("touch ran-2")
+        .run();
+    assert_eq!(late.code, 75, "{}", late.stderr);
+    assert_eq!(early.wait(LONG), Some(0));
+    assert!(
+        start.elapsed() >= Duration::from_millis(1500),
+        "released after {:?}",
+        start.elapsed()
+    );
+    assert!(!sandbox.path("ran-2").exists());
+    let after = sandbox
+        .leaderrun("cron")
+        .arg("--no-wait")
+        .sh("touch ran-3")
+        .run();
+    assert_eq!(after.code, 0, "{}", after.stderr);
+}
+
+#[test]
+fn a_stop_during_hold_for_releases_at_once() {
+    let sandbox = Sandbox::new();
+    let mut replica = sandbox
+        .leaderrun("hold-stop")
+        .args(["--hold-for", "30s"])
+        .sh("exit 3")
+        .spawn();
+    assert!(replica.wait_log("child exited", LONG));
+    replica.signal(Signal::SIGTERM);
+    assert_eq!(replica.wait(LONG), Some(3));
+    assert!(replica.stderr().contains("lease released"));
+}
