@@ -285,6 +285,7 @@ fn a_paused_supervisor_loses_the_lease_and_kills_its_child_on_waking() {
 
     // The stale replica campaigns again and leads the next term.
     assert!(stuck.running());
+    std::fs::remove_file(sandbox.path("a.pid")).unwrap();
     std::fs::write(sandbox.path("b-stop"), "").unwrap();
     assert_eq!(follower.wait(LONG), Some(0));
     let next = sandbox.wait_pid("a.pid");

@@ -17,8 +17,16 @@
 //!
 //! The record is written to alternating slots, each with a sequence number
 //! and a checksum, so a write torn by a crash leaves the previous record
-//! readable. A new token is synced to disk before the child sees it, so
-//! tokens only grow across `kill -9` and reboots.
+//! readable.
+//!
+//! Tokens only grow across `kill -9` and reboots, without an fsync on every
+//! acquisition: the record keeps a *reserved* high-water mark, synced to disk
+//! before any child sees a token below it, in blocks of `RESERVE` tokens.
+//! Within one boot the page cache is coherent, so the counter read back is
+//! exact even after every process was killed. Only a kernel crash or power
+//! loss can lose unsynced writes, and both mean a new boot: a record written
+//! in an earlier boot resumes above its reserved mark, never below a token
+//! that may have been handed out.
 //!
 //! Followers watch the file with inotify: the holder's release writes it and
 //! the holder's death closes it, and either wakes them at once.
@@ -32,13 +40,14 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::fcntl::{AtFlags, OFlag};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use nix::sys::stat::Mode;
 use tokio::io::unix::AsyncFd;
+use tracing::warn;
 
 use super::{Attempt, Holder, Observation, RenewError, Unreachable};
 use crate::error::ConfigError;
@@ -50,13 +59,18 @@ const MUTEX_AT: i64 = 1 << 40;
 const LIVENESS_BASE: i64 = 1 << 41;
 /// Tokens stay below this so every liveness offset fits in an `off_t`.
 pub const MAX_TOKEN: u64 = 1 << 60;
+/// Tokens reserved per sync of the high-water mark.
+const RESERVE: u64 = 1000;
 /// How long a read-modify-write waits for another process's mutex.
 const MUTEX_PATIENCE: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 pub struct FileBackend {
     shared: Arc<Shared>,
-    notices: Option<Arc<AsyncFd<Watcher>>>,
+    /// Created on the first wait for a notice, so a replica that never
+    /// follows never pays for closing an inotify descriptor (milliseconds,
+    /// in the kernel's mark teardown). None inside: could not watch; poll.
+    notices: Arc<OnceLock<Option<AsyncFd<Watcher>>>>,
 }
 
 struct Shared {
@@ -67,8 +81,8 @@ struct Shared {
     /// None for a read-only observer (`leaderrun status`).
     me: Option<Me>,
     boot_id: String,
-    /// Wakes followers; None for an observer.
-    inotify: Option<Arc<Inotify>>,
+    /// The followers' watch, re-added when the file is replaced.
+    inotify: OnceLock<Arc<Inotify>>,
     /// The open lease file, reopened if an operator replaces it. The mutex
     /// also keeps two calls of this process apart: OFD locks do not conflict
     /// within one open file description.
@@ -94,10 +108,6 @@ impl FileBackend {
             path: dir.display().to_string(),
             source,
         };
-        let inotify = Arc::new(
-            Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
-                .map_err(|e| io_error(e.into()))?,
-        );
         let shared = Shared {
             dir: dir_fd,
             dir_path: dir.to_owned(),
@@ -109,15 +119,14 @@ impl FileBackend {
                 ttl,
             }),
             boot_id: boot_id(),
-            inotify: Some(inotify.clone()),
+            inotify: OnceLock::new(),
             file: Mutex::new(None),
         };
         let file = shared.open_lease_file().map_err(io_error)?;
-        watch(&inotify, &shared.path()).map_err(io_error)?;
         *shared.file.lock().unwrap() = Some(file);
         Ok(FileBackend {
             shared: Arc::new(shared),
-            notices: Some(Arc::new(register(Watcher(inotify)).map_err(io_error)?)),
+            notices: Arc::default(),
         })
     }
 
@@ -131,10 +140,10 @@ impl FileBackend {
                 key: key.to_owned(),
                 me: None,
                 boot_id: boot_id(),
-                inotify: None,
+                inotify: OnceLock::new(),
                 file: Mutex::new(None),
             }),
-            notices: None,
+            notices: Arc::default(),
         })
     }
 
@@ -166,7 +175,17 @@ impl FileBackend {
     /// Waits for the lease file to be written (a release), closed by a writer
     /// (a holder that exited or died) or replaced.
     pub async fn notice(&self) {
-        let Some(notices) = &self.notices else {
+        let Some(watching) = self.notices.get() else {
+            // The first wait: start watching, and return at once. The lease
+            // may have been released between the attempt that found it held
+            // and this watch; one more attempt catches that.
+            let watcher = self.watch().inspect_err(|e| {
+                warn!(error = %e, "cannot watch the lease file; followers fall back to polling");
+            });
+            let _ = self.notices.set(watcher.ok());
+            return;
+        };
+        let Some(notices) = watching else {
             return std::future::pending().await;
         };
         loop {
@@ -179,6 +198,15 @@ impl FileBackend {
                 Err(_) => return,
             }
         }
+    }
+
+    fn watch(&self) -> io::Result<AsyncFd<Watcher>> {
+        let inotify = Arc::new(Inotify::init(
+            InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC,
+        )?);
+        watch(&inotify, &self.shared.path())?;
+        let _ = self.shared.inotify.set(inotify.clone());
+        register(Watcher(inotify))
     }
 
     /// Runs a file operation on the blocking pool, so a slow disk can delay
@@ -215,7 +243,7 @@ impl Shared {
                 if holder.instance == me.instance && live {
                     // A repeat of an attempt whose reply we never saw.
                     let token = holder.token;
-                    lease.write_holder(&mut record, self, token, now, false)?;
+                    lease.write_holder(&mut record, self, token, now)?;
                     return Ok(Attempt::Acquired { token });
                 }
                 if holder.instance != me.instance && live && lease.holds_liveness(holder.token)? {
@@ -238,8 +266,7 @@ impl Shared {
             }
             lease.lock_liveness(token)?;
             record.counter = token;
-            // Synced: the token must survive a crash before anyone sees it.
-            if let Err(e) = lease.write_holder(&mut record, self, token, now, true) {
+            if let Err(e) = lease.write_holder(&mut record, self, token, now) {
                 lease.unlock_liveness(token);
                 return Err(e);
             }
@@ -259,7 +286,7 @@ impl Shared {
                         && h.boot == self.boot_id
                         && now < h.expires =>
                 {
-                    lease.write_holder(&mut record, self, token, now, false)?;
+                    lease.write_holder(&mut record, self, token, now)?;
                     Ok(None)
                 }
                 // Expired, released by an operator, or taken by someone else.
@@ -291,9 +318,8 @@ impl Shared {
                 .is_some_and(|h| h.instance == me.instance && h.token == token);
             if ours {
                 record.holder = None;
-                // Not synced: after a crash the dead holder's liveness byte is
-                // free anyway. The write is what wakes the followers.
-                lease.write(&mut record, false)?;
+                // The write is also what wakes the followers.
+                lease.write(&mut record)?;
             }
             lease.unlock_liveness(token);
             Ok(ours)
@@ -310,7 +336,7 @@ impl Shared {
             let mut record = lease.read()?;
             if record.counter < floor {
                 record.counter = floor;
-                lease.write(&mut record, true)?;
+                lease.write(&mut record)?;
             }
             Ok(record.counter)
         })
@@ -370,7 +396,7 @@ impl Shared {
         loop {
             if slot.is_none() {
                 *slot = Some(self.open_lease_file().map_err(|e| self.io("open", e))?);
-                if let Some(inotify) = &self.inotify {
+                if let Some(inotify) = self.inotify.get() {
                     // The old watch went with the old file.
                     watch(inotify, &self.path()).map_err(|e| self.io("watch", e))?;
                 }
@@ -470,10 +496,16 @@ impl Locked<'_> {
                 self.shared.path().display()
             )));
         }
-        let record = records
+        let mut record = records
             .into_iter()
             .max_by_key(|r| r.seq)
             .expect("not empty");
+        if record.boot != self.shared.boot_id {
+            // Written in an earlier boot: writes after the last sync may have
+            // been lost with the page cache, so any token up to the reserved
+            // mark may have been handed out.
+            record.counter = record.counter.max(record.reserved);
+        }
         if record.key != self.shared.key {
             return Err(Unreachable::Corrupt(format!(
                 "{} belongs to key {:?}, not {:?} (a file name collision): use another state directory for one of them",
@@ -485,7 +517,14 @@ impl Locked<'_> {
         Ok(record)
     }
 
-    fn write(&self, record: &mut Record, sync: bool) -> Result<(), Unreachable> {
+    /// Writes the record to the next slot; syncs it when the counter has
+    /// passed the reserved mark, which then moves a block ahead.
+    fn write(&self, record: &mut Record) -> Result<(), Unreachable> {
+        let sync = record.counter > record.reserved;
+        if sync {
+            record.reserved = record.counter + RESERVE;
+        }
+        record.boot = self.shared.boot_id.clone();
         record.seq += 1;
         let mut slot = record.encode().into_bytes();
         slot.resize(SLOT, 0);
@@ -507,7 +546,6 @@ impl Locked<'_> {
         shared: &Shared,
         token: u64,
         now: u64,
-        sync: bool,
     ) -> Result<(), Unreachable> {
         let me = shared.me();
         record.holder = Some(HolderRecord {
@@ -519,7 +557,7 @@ impl Locked<'_> {
             // never earlier than the one the supervisor computes.
             expires: now + me.ttl.as_nanos() as u64,
         });
-        self.write(record, sync)
+        self.write(record)
     }
 
     /// Whether another process holds the liveness byte of `token`.
@@ -729,7 +767,12 @@ fn random_instance() -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Record {
     seq: u64,
+    /// The last token handed out (or the fence floor).
     counter: u64,
+    /// Synced high-water mark: no token above it has been handed out.
+    reserved: u64,
+    /// The boot that wrote this record.
+    boot: String,
     key: String,
     holder: Option<HolderRecord>,
 }
@@ -751,6 +794,8 @@ impl Record {
         Record {
             seq: 0,
             counter: 0,
+            reserved: 0,
+            boot: String::new(),
             key: key.to_owned(),
             holder: None,
         }
@@ -760,12 +805,12 @@ impl Record {
     /// ending in a checksum of everything before it.
     fn encode(&self) -> String {
         let mut line = format!(
-            "{MAGIC} seq={} counter={} key={}",
-            self.seq, self.counter, self.key
+            "{MAGIC} seq={} counter={} reserved={} boot={} key={}",
+            self.seq, self.counter, self.reserved, self.boot, self.key
         );
         if let Some(h) = &self.holder {
             line += &format!(
-                " owner={} instance={} token={} boot={} expires={}",
+                " owner={} instance={} token={} holder_boot={} expires={}",
                 h.owner, h.instance, h.token, h.boot, h.expires
             );
         }
@@ -793,13 +838,15 @@ impl Record {
                 owner: owner.to_owned(),
                 instance: get("instance")?.to_owned(),
                 token: number("token")?,
-                boot: get("boot")?.to_owned(),
+                boot: get("holder_boot")?.to_owned(),
                 expires: number("expires")?,
             }),
         };
         Some(Record {
             seq: number("seq")?,
             counter: number("counter")?,
+            reserved: number("reserved")?,
+            boot: get("boot")?.to_owned(),
             key: get("key")?.to_owned(),
             holder,
         })
@@ -814,6 +861,8 @@ mod tests {
         Record {
             seq: 7,
             counter: token,
+            reserved: token + RESERVE,
+            boot: "c0ffee".into(),
             key: "a=b/../ключ".into(),
             holder: Some(HolderRecord {
                 owner: "host:42".into(),
@@ -867,23 +916,52 @@ mod tests {
     }
 
     #[test]
-    fn a_record_from_another_boot_is_free_and_the_counter_goes_on() {
+    fn a_record_from_another_boot_is_free_and_resumes_above_its_reserve() {
         let dir = temp_dir("boot");
         let a = FileBackend::open_blocking(&dir, "k", "a");
         assert_eq!(a.acquire().unwrap(), Attempt::Acquired { token: 1 });
-        // Rewrite the record as if it came from a boot long ago, with an
-        // expiry far in the future of that boot's clock.
-        a.locked(|lease| {
-            let mut record = lease.read()?;
-            let holder = record.holder.as_mut().unwrap();
-            holder.boot = "an-earlier-boot".into();
-            holder.instance = "someone-else".into();
-            holder.expires = u64::MAX / 2;
-            lease.write(&mut record, false)
-        })
-        .unwrap();
+        // What a crash could leave: the last synced record of an earlier
+        // boot, its holder's expiry far ahead on that boot's clock, and
+        // tokens up to its reserved mark possibly handed out unsynced.
+        let mut stale = held(5);
+        stale.key = "k".into();
+        stale.seq = 100;
+        stale.boot = "an-earlier-boot".into();
+        let holder = stale.holder.as_mut().unwrap();
+        holder.boot = "an-earlier-boot".into();
+        holder.expires = u64::MAX / 2;
+        let mut slot = stale.encode().into_bytes();
+        slot.resize(SLOT, 0);
+        a.file
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .write_all_at(&slot, 0)
+            .unwrap();
+
         let b = FileBackend::open_blocking(&dir, "k", "b");
-        assert_eq!(b.acquire().unwrap(), Attempt::Acquired { token: 2 });
+        assert_eq!(
+            b.acquire().unwrap(),
+            Attempt::Acquired {
+                token: 5 + RESERVE + 1
+            }
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_reserved_mark_moves_a_block_at_a_time() {
+        let dir = temp_dir("reserve");
+        let a = FileBackend::open_blocking(&dir, "k", "a");
+        let reserved = |shared: &Shared| shared.locked(|lease| lease.read()).unwrap().reserved;
+        for token in 1..=3 {
+            assert_eq!(a.acquire().unwrap(), Attempt::Acquired { token });
+            assert!(a.release(token).unwrap());
+            assert_eq!(reserved(&a), 1 + RESERVE, "one sync for the whole block");
+        }
+        assert_eq!(a.advance_fence(5000).unwrap(), 5000);
+        assert_eq!(reserved(&a), 5000 + RESERVE);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
