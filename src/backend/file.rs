@@ -74,7 +74,8 @@ pub struct FileBackend {
 }
 
 struct Shared {
-    dir: OwnedFd,
+    /// None only for an observer of a directory that does not exist yet.
+    dir: Option<OwnedFd>,
     dir_path: PathBuf,
     name: String,
     key: String,
@@ -103,13 +104,13 @@ impl FileBackend {
         owner: &str,
         ttl: Duration,
     ) -> Result<FileBackend, ConfigError> {
-        let dir_fd = open_state_dir(dir, true)?;
+        let dir_fd = open_state_dir(dir, true)?.expect("created");
         let io_error = |source| ConfigError::StateDir {
             path: dir.display().to_string(),
             source,
         };
         let shared = Shared {
-            dir: dir_fd,
+            dir: Some(dir_fd),
             dir_path: dir.to_owned(),
             name: file_name(key),
             key: key.to_owned(),
@@ -225,6 +226,12 @@ impl FileBackend {
 impl Shared {
     fn path(&self) -> PathBuf {
         self.dir_path.join(&self.name)
+    }
+
+    fn dir(&self) -> &OwnedFd {
+        self.dir
+            .as_ref()
+            .expect("a mutating call on an observer of a missing directory")
     }
 
     fn me(&self) -> &Me {
@@ -343,19 +350,21 @@ impl Shared {
     }
 
     fn observe(&self) -> Result<Observation, Unreachable> {
+        let free = Observation {
+            holder: None,
+            counter: 0,
+        };
+        let Some(dir) = &self.dir else {
+            return Ok(free);
+        };
         let file = match nix::fcntl::openat(
-            &self.dir,
+            dir,
             self.name.as_str(),
             OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
             Mode::empty(),
         ) {
             Ok(fd) => File::from(fd),
-            Err(nix::errno::Errno::ENOENT) => {
-                return Ok(Observation {
-                    holder: None,
-                    counter: 0,
-                });
-            }
+            Err(nix::errno::Errno::ENOENT) => return Ok(free),
             Err(e) => return Err(self.io("open", e.into())),
         };
         let lease = Locked {
@@ -404,7 +413,7 @@ impl Shared {
             let file = slot.as_ref().expect("opened above");
             lock_mutex(file, patience).map_err(|e| self.io("lock", e))?;
             let same = nix::sys::stat::fstatat(
-                &self.dir,
+                self.dir(),
                 self.name.as_str(),
                 AtFlags::AT_SYMLINK_NOFOLLOW,
             )
@@ -427,14 +436,14 @@ impl Shared {
         let flags = OFlag::O_RDWR | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
         let mode = Mode::from_bits_truncate(0o600);
         let (fd, created) = match nix::fcntl::openat(
-            &self.dir,
+            self.dir(),
             self.name.as_str(),
             flags | OFlag::O_CREAT | OFlag::O_EXCL,
             mode,
         ) {
             Ok(fd) => (fd, true),
             Err(nix::errno::Errno::EEXIST) => (
-                nix::fcntl::openat(&self.dir, self.name.as_str(), flags, mode)?,
+                nix::fcntl::openat(self.dir(), self.name.as_str(), flags, mode)?,
                 false,
             ),
             Err(e) => return Err(e.into()),
@@ -443,7 +452,7 @@ impl Shared {
         if created {
             // The new name must be durable too, or a crash could lose the
             // file and its counter with it.
-            nix::unistd::fsync(&self.dir)?;
+            nix::unistd::fsync(self.dir())?;
         }
         let meta = file.metadata()?;
         if meta.uid() != nix::unistd::geteuid().as_raw() {
@@ -666,7 +675,8 @@ fn watch(inotify: &Inotify, path: &Path) -> io::Result<()> {
 /// Opens (and with `create`, makes) the state directory, refusing one that
 /// another user owns or that group or others may write: anyone who can
 /// write there can take or forge a lease.
-fn open_state_dir(dir: &Path, create: bool) -> Result<OwnedFd, ConfigError> {
+/// Without `create`, a directory that does not exist is `None`.
+fn open_state_dir(dir: &Path, create: bool) -> Result<Option<OwnedFd>, ConfigError> {
     let shown = || dir.display().to_string();
     let io_error = |source| ConfigError::StateDir {
         path: shown(),
@@ -689,6 +699,7 @@ fn open_state_dir(dir: &Path, create: bool) -> Result<OwnedFd, ConfigError> {
         Mode::empty(),
     ) {
         Ok(fd) => fd,
+        Err(nix::errno::Errno::ENOENT) if !create => return Ok(None),
         Err(e) => return Err(io_error(e.into())),
     };
     let stat = nix::sys::stat::fstat(&fd).map_err(|e| io_error(e.into()))?;
@@ -712,7 +723,7 @@ fn open_state_dir(dir: &Path, create: bool) -> Result<OwnedFd, ConfigError> {
             ),
         });
     }
-    Ok(fd)
+    Ok(Some(fd))
 }
 
 /// A safe file name for any key: a hash for uniqueness, and a readable
