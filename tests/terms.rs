@@ -392,12 +392,19 @@ fn wait_gives_up_with_75_after_its_duration() {
 fn block_the_backend(sandbox: &Sandbox, key: &str) -> std::process::Child {
     let out = sandbox.leaderrun(key).sh("true").run();
     assert_eq!(out.code, 0);
+    hold_the_mutex(sandbox)
+}
+
+/// Takes the mutex byte of the sandbox's only lease file from a Python
+/// process, so that leaderrun cannot ask the file backend until it is killed.
+fn hold_the_mutex(sandbox: &Sandbox) -> std::process::Child {
     let file = std::fs::read_dir(sandbox.state_dir())
         .unwrap()
         .next()
         .unwrap()
         .unwrap()
         .path();
+    let _ = std::fs::remove_file(sandbox.path("blocked"));
     let script = format!(
         "import fcntl, os, time\nfd = os.open({:?}, os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX, 1, 1 << 40)\nopen('blocked', 'w').close()\ntime.sleep(60)\n",
         file.display().to_string()
@@ -409,6 +416,70 @@ fn block_the_backend(sandbox: &Sandbox, key: &str) -> std::process::Child {
         .expect("python3");
     assert!(wait_until(LONG, || sandbox.path("blocked").exists()));
     blocker
+}
+
+#[test]
+fn an_outage_shorter_than_the_renewal_budget_costs_nothing() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("short-outage")
+        .sh("trap 'echo yielded >> events' TERM; touch started; while [ ! -e stop ]; do sleep 0.02; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("started").exists()));
+    // The budget is 600 ms with the test timing; 300 ms of outage is bridged
+    // by a renewal that waits, or by its retry.
+    let mut blocker = hold_the_mutex(&sandbox);
+    std::thread::sleep(Duration::from_millis(300));
+    blocker.kill().unwrap();
+    blocker.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(sandbox.read("events"), "", "{}", leader.stderr());
+    assert!(
+        !leader.stderr().contains("term ending"),
+        "{}",
+        leader.stderr()
+    );
+    std::fs::write(sandbox.path("stop"), "").unwrap();
+    assert_eq!(leader.wait(LONG), Some(0));
+}
+
+#[test]
+fn a_longer_outage_ends_the_term_at_the_deadline_and_leads_again_after() {
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("long-outage")
+        .sh("trap 'date +%s%N > yielded; exit 0' TERM; echo $LEADERRUN_TOKEN >> tokens; while :; do sleep 0.02; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.lines("tokens").len() == 1));
+    let blocked_at = Instant::now();
+    let mut blocker = hold_the_mutex(&sandbox);
+    // The last successful renewal was sent at most 400 ms before the block,
+    // and the yield point is 1 s after it (ttl 2s − margin − release − grace).
+    assert!(wait_until(LONG, || sandbox.path("yielded").exists()));
+    let yielded = blocked_at.elapsed();
+    assert!(
+        yielded >= Duration::from_millis(500),
+        "yielded after {yielded:?}"
+    );
+    assert!(
+        yielded < Duration::from_millis(2500),
+        "yielded after {yielded:?}"
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    blocker.kill().unwrap();
+    blocker.wait().unwrap();
+    // Once the backend answers again, the next term starts.
+    assert!(
+        wait_until(LONG, || sandbox.lines("tokens").len() == 2),
+        "{}",
+        leader.stderr()
+    );
+    assert_eq!(sandbox.lines("tokens"), ["1", "2"]);
+    let log = leader.stderr();
+    assert!(log.contains("renewal failed"), "{log}");
+    assert!(log.contains("reason=deadline"), "{log}");
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(0));
 }
 
 #[test]

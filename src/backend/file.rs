@@ -61,8 +61,6 @@ const LIVENESS_BASE: i64 = 1 << 41;
 pub const MAX_TOKEN: u64 = 1 << 60;
 /// Tokens reserved per sync of the high-water mark.
 const RESERVE: u64 = 1000;
-/// How long a read-modify-write waits for another process's mutex.
-const MUTEX_PATIENCE: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 pub struct FileBackend {
@@ -95,6 +93,9 @@ struct Me {
     /// Tells this process apart from an earlier one with the same owner name.
     instance: String,
     ttl: Duration,
+    /// How long a read-modify-write waits for another process's mutex: the
+    /// call's own bound, so abandoned calls do not pile up behind a mutex.
+    patience: Duration,
 }
 
 impl FileBackend {
@@ -103,6 +104,7 @@ impl FileBackend {
         key: &str,
         owner: &str,
         ttl: Duration,
+        patience: Duration,
     ) -> Result<FileBackend, ConfigError> {
         let dir_fd = open_state_dir(dir, true)?.expect("created");
         let io_error = |source| ConfigError::StateDir {
@@ -118,6 +120,7 @@ impl FileBackend {
                 owner: owner.to_owned(),
                 instance: random_instance(),
                 ttl,
+                patience,
             }),
             boot_id: boot_id(),
             inotify: OnceLock::new(),
@@ -401,7 +404,11 @@ impl Shared {
         op: impl FnOnce(&Locked<'_>) -> Result<T, Unreachable>,
     ) -> Result<T, Unreachable> {
         let mut slot = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        let patience = Instant::now() + MUTEX_PATIENCE;
+        let patience = Instant::now()
+            + self
+                .me
+                .as_ref()
+                .map_or(Duration::from_secs(2), |me| me.patience);
         loop {
             if slot.is_none() {
                 *slot = Some(self.open_lease_file().map_err(|e| self.io("open", e))?);
@@ -1020,9 +1027,15 @@ mod tests {
                 .build()
                 .unwrap();
             let _entered = runtime.enter();
-            FileBackend::open(dir, key, owner, Duration::from_secs(6))
-                .unwrap()
-                .shared
+            FileBackend::open(
+                dir,
+                key,
+                owner,
+                Duration::from_secs(6),
+                Duration::from_secs(2),
+            )
+            .unwrap()
+            .shared
         }
     }
 }

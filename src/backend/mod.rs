@@ -92,6 +92,7 @@ impl Backend {
                 &spec.key,
                 &spec.owner,
                 spec.timing.ttl,
+                spec.timing.call_timeout(),
             )?),
             BackendUrl::Redis(_) => {
                 return Err(ConfigError::BackendUrl {
