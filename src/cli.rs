@@ -42,6 +42,10 @@ pub struct LeaseArgs {
     #[arg(short, long, env = "LEADERRUN_BACKEND", hide_env_values = true)]
     pub backend: Option<String>,
 
+    /// PEM file of the CA that signed a rediss:// server's certificate (for private CAs).
+    #[arg(long, env = "LEADERRUN_TLS_CA_FILE", value_name = "PATH")]
+    pub tls_ca_file: Option<std::path::PathBuf>,
+
     #[command(flatten)]
     pub log: LogArgs,
 }

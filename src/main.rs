@@ -106,7 +106,7 @@ fn run(args: RunArgs) -> Result<Exit, Failure> {
         .context("cannot start the runtime")?;
     let exit = runtime.block_on(async {
         let signals = signals::Signals::register().context("cannot register signal handlers")?;
-        let backend = Backend::open(&spec)?;
+        let backend = Backend::open(&spec).await?;
         let supervisor = supervisor::Supervisor::new(spec, program, backend, signals, guard);
         Ok::<_, Failure>(supervisor.run().await)
     });

@@ -19,6 +19,7 @@ use crate::timeline::Timing;
 pub struct Spec {
     pub key: String,
     pub backend: BackendUrl,
+    pub tls_ca_file: Option<PathBuf>,
     pub owner: String,
     pub timing: Timing,
     pub token_env: String,
@@ -72,6 +73,7 @@ impl Spec {
         Ok(Spec {
             key,
             backend: BackendUrl::parse_or_default(args.lease.backend.as_deref())?,
+            tls_ca_file: args.lease.tls_ca_file,
             owner,
             timing,
             token_env: parse_token_env(&args.token_env)?,
@@ -241,7 +243,6 @@ fn default_state_dir() -> Result<PathBuf, ConfigError> {
 pub struct Secret(String);
 
 impl Secret {
-    #[allow(dead_code)] // Read by the Redis backend.
     pub fn expose(&self) -> &str {
         &self.0
     }

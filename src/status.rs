@@ -21,7 +21,7 @@ pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
         .build()
         .context("cannot start the runtime")?;
     runtime.block_on(async {
-        let backend = Backend::observer(&url, &key)?;
+        let backend = Backend::observer(&url, &key, args.lease.tls_ca_file.as_ref())?;
         match backend.observe().await {
             Ok(observation) => {
                 let text = if args.json {

@@ -144,6 +144,7 @@ impl Supervisor {
         };
         let mut answered = false;
         let mut failures = 0;
+        let mut held_off = None;
         loop {
             let sent_at = Instant::now();
             let next_attempt = match self.backend.acquire().await {
@@ -165,6 +166,20 @@ impl Supervisor {
                         (left + Duration::from_millis(1)).min(timing.campaign_every)
                     });
                     Instant::now() + wait
+                }
+                Ok(Attempt::HeldOff { retry_in, why }) => {
+                    self.health.reachable();
+                    answered = true;
+                    failures = 0;
+                    if self.spec.wait == Wait::Once {
+                        info!(why, "lease held off; giving up (--no-wait)");
+                        return Campaign::GaveUp(Exit::HeldElsewhere);
+                    }
+                    if held_off != Some(why) {
+                        held_off = Some(why);
+                        info!(why, retry_in = %show(retry_in), "lease held off");
+                    }
+                    Instant::now() + retry_in.max(Duration::from_millis(1))
                 }
                 Err(error) => {
                     self.health.unreachable(&error);

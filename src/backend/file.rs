@@ -118,7 +118,7 @@ impl FileBackend {
             key: key.to_owned(),
             me: Some(Me {
                 owner: owner.to_owned(),
-                instance: random_instance(),
+                instance: super::random_instance(),
                 ttl,
                 patience,
             }),
@@ -767,18 +767,6 @@ fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|id| id.trim().to_owned())
         .unwrap_or_default()
-}
-
-fn random_instance() -> String {
-    let mut bytes = [0u8; 8];
-    // SAFETY: getrandom writes at most `len` bytes into the buffer we own.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if n != bytes.len() as isize {
-        // Unreachable in practice; the pid and time still make it unique here.
-        let fallback = u64::from(std::process::id()) ^ boottime_ns();
-        bytes = fallback.to_ne_bytes();
-    }
-    format!("{:016x}", u64::from_ne_bytes(bytes))
 }
 
 /// One lease record, as stored in a slot.

@@ -6,7 +6,9 @@
 //! forget it; a call that times out is "could not ask", never "lost".
 
 pub mod file;
+pub mod redis;
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::ConfigError;
@@ -19,6 +21,12 @@ pub enum Attempt {
     Acquired { token: u64 },
     /// Someone else holds it: a normal follower state, not an error.
     Held(Holder),
+    /// The lease may be free, but the backend must not hand it out yet
+    /// (a Redis that lost its data while a leader may still be stopping).
+    HeldOff {
+        retry_in: Duration,
+        why: &'static str,
+    },
 }
 
 /// The current holder of a lease, as the backend sees it.
@@ -50,6 +58,8 @@ pub enum Unreachable {
     },
     #[error("lease state is corrupt: {0}")]
     Corrupt(String),
+    #[error("redis: {0}")]
+    Redis(String),
 }
 
 /// A renewal that did not go through.
@@ -79,32 +89,49 @@ pub struct Backend {
 #[derive(Clone)]
 enum Kind {
     File(file::FileBackend),
+    Redis(redis::RedisBackend),
 }
 
 impl Backend {
     /// Opens the backend the spec names. Configuration problems (an unsafe
-    /// state directory, a missing capability) are refused here, before any
-    /// lease is taken.
-    pub fn open(spec: &Spec) -> Result<Backend, ConfigError> {
+    /// state directory, a wrong Redis password, a missing capability) are
+    /// refused here, before any lease is taken. A Redis server that cannot
+    /// be reached is not a configuration problem: campaigning retries it.
+    pub async fn open(spec: &Spec) -> Result<Backend, ConfigError> {
+        let call_timeout = spec.timing.call_timeout();
         let kind = match &spec.backend {
             BackendUrl::File { dir } => Kind::File(file::FileBackend::open(
                 dir,
                 &spec.key,
                 &spec.owner,
                 spec.timing.ttl,
-                spec.timing.call_timeout(),
+                call_timeout,
             )?),
-            BackendUrl::Redis(_) => {
-                return Err(ConfigError::BackendUrl {
-                    url: spec.backend.to_string(),
-                    why: "the Redis backend is not built yet".into(),
-                });
+            BackendUrl::Redis(url) => {
+                let redis = redis::RedisBackend::new(
+                    url,
+                    spec.tls_ca_file.as_ref(),
+                    &spec.key,
+                    &spec.owner,
+                    spec.timing.ttl,
+                    call_timeout,
+                )?;
+                match redis.check().await {
+                    Ok(()) => {}
+                    Err(redis::CheckError::Auth(why)) => {
+                        return Err(ConfigError::BackendAuth {
+                            url: spec.backend.to_string(),
+                            why,
+                        });
+                    }
+                    Err(redis::CheckError::Unreachable(error)) => {
+                        tracing::warn!(error = %error, "backend unreachable at startup; campaigning anyway");
+                    }
+                }
+                Kind::Redis(redis)
             }
         };
-        let backend = Backend {
-            kind,
-            call_timeout: spec.timing.call_timeout(),
-        };
+        let backend = Backend { kind, call_timeout };
         let caps = backend.capabilities();
         if spec.require_fence_advance && !(caps.tokens && caps.fence_advance) {
             return Err(ConfigError::Capability(format!(
@@ -116,28 +143,31 @@ impl Backend {
     }
 
     /// Opens a backend read-only for `leaderrun status`: nothing is created.
-    pub fn observer(url: &BackendUrl, key: &str) -> Result<Backend, ConfigError> {
+    pub fn observer(
+        url: &BackendUrl,
+        key: &str,
+        tls_ca_file: Option<&PathBuf>,
+    ) -> Result<Backend, ConfigError> {
+        let call_timeout = Duration::from_secs(2);
         let kind = match url {
             BackendUrl::File { dir } => Kind::File(file::FileBackend::observer(dir, key)?),
-            BackendUrl::Redis(_) => {
-                return Err(ConfigError::BackendUrl {
-                    url: url.to_string(),
-                    why: "the Redis backend is not built yet".into(),
-                });
-            }
+            BackendUrl::Redis(url) => Kind::Redis(redis::RedisBackend::new(
+                url,
+                tls_ca_file,
+                key,
+                "status",
+                Duration::from_secs(1),
+                call_timeout,
+            )?),
         };
-        Ok(Backend {
-            kind,
-            call_timeout: Duration::from_secs(2),
-        })
+        Ok(Backend { kind, call_timeout })
     }
 
     pub fn capabilities(&self) -> Capabilities {
-        match &self.kind {
-            Kind::File(_) => Capabilities {
-                tokens: true,
-                fence_advance: true,
-            },
+        // Both backends issue tokens from a counter that can be moved up.
+        Capabilities {
+            tokens: true,
+            fence_advance: true,
         }
     }
 
@@ -147,6 +177,7 @@ impl Backend {
         self.bounded(async {
             match &self.kind {
                 Kind::File(file) => file.acquire().await,
+                Kind::Redis(redis) => redis.acquire().await,
             }
         })
         .await
@@ -157,6 +188,7 @@ impl Backend {
         self.bounded(async {
             match &self.kind {
                 Kind::File(file) => file.renew(token).await,
+                Kind::Redis(redis) => redis.renew(token).await,
             }
         })
         .await
@@ -168,6 +200,7 @@ impl Backend {
         self.bounded(async {
             match &self.kind {
                 Kind::File(file) => file.release(token).await,
+                Kind::Redis(redis) => redis.release(token).await,
             }
         })
         .await
@@ -179,6 +212,7 @@ impl Backend {
         self.bounded(async {
             match &self.kind {
                 Kind::File(file) => file.advance_fence(floor).await,
+                Kind::Redis(redis) => redis.advance_fence(floor).await,
             }
         })
         .await
@@ -188,6 +222,7 @@ impl Backend {
         self.bounded(async {
             match &self.kind {
                 Kind::File(file) => file.observe().await,
+                Kind::Redis(redis) => redis.observe().await,
             }
         })
         .await
@@ -199,6 +234,7 @@ impl Backend {
     pub async fn notice(&self) {
         match &self.kind {
             Kind::File(file) => file.notice().await,
+            Kind::Redis(redis) => redis.notice().await,
         }
     }
 
@@ -210,4 +246,20 @@ impl Backend {
             .await
             .unwrap_or(Err(Unreachable::Timeout(self.call_timeout).into()))
     }
+}
+
+/// A random id that tells this process apart from an earlier one with the
+/// same owner name.
+fn random_instance() -> String {
+    let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most `len` bytes into the buffer we own.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != bytes.len() as isize {
+        // Unreachable in practice; pid and time still tell processes apart.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        bytes = (u64::from(std::process::id()) ^ now.as_nanos() as u64).to_ne_bytes();
+    }
+    format!("{:016x}", u64::from_ne_bytes(bytes))
 }

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod redis_server;
+
 use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -63,9 +65,13 @@ impl Sandbox {
     /// `leaderrun --backend <sandbox> --key <key> <FAST timing>`; add the
     /// command with `.sh(..)` or `.command(..)`.
     pub fn leaderrun(&self, key: &str) -> Run {
+        self.leaderrun_on(&self.backend(), key)
+    }
+
+    /// The same on another backend (a Redis URL).
+    pub fn leaderrun_on(&self, backend: &str, key: &str) -> Run {
         let mut run = Run::new(self.dir.path());
-        run.args(["--backend", &self.backend(), "--key", key])
-            .args(FAST);
+        run.args(["--backend", backend, "--key", key]).args(FAST);
         run
     }
 

@@ -1,0 +1,606 @@
+//! The Redis backend: one lease shared by replicas on any number of hosts.
+//!
+//! Every operation is one Lua script, atomic on the server. The keys of a
+//! lease share a hash tag, so they live in one slot of a Redis Cluster:
+//!
+//! - `leaderrun:{KEY}:lease`: `"<token> <instance> <owner>"` with a PX expiry;
+//! - `leaderrun:{KEY}:counter`: the token counter (no expiry);
+//! - channel `leaderrun:{KEY}:released`: a release notice (the token).
+//!
+//! "Someone else holds it" and "could not ask" never mix: a script's answer
+//! is an `Attempt` or a `RenewError::Lost`, anything else (refused
+//! connection, timeout, authentication, script error) is `Unreachable`.
+//!
+//! Two things guard against a Redis that lost its data (a restart without
+//! persistence, a failover to a replica that missed the last writes):
+//!
+//! - tokens only grow while any replica lives: each replica sends the highest
+//!   token it has seen, and acquisition moves the counter past it first;
+//! - a Redis that started less than one ttl ago, or whose run id changed
+//!   under a replica's eyes, is not acquired from until one ttl has passed,
+//!   because a leader from before the loss may still be stopping its child.
+//!   That leader's next renewal finds the lease gone and its term is lost.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use redis::aio::{MultiplexedConnection, PubSubSink, PubSubStream};
+use redis::{
+    AsyncConnectionConfig, Client, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, Script,
+};
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use super::{Attempt, Holder, Observation, RenewError, Unreachable};
+use crate::error::ConfigError;
+use crate::spec::{RedisAddress, RedisUrl};
+
+/// Tokens are Lua numbers on the server: integers are exact below 2^53.
+pub const MAX_TOKEN: u64 = (1 << 53) - 1;
+/// How often an idle follower pings its notice connection, so a socket that
+/// died without a reset is noticed.
+const PING_EVERY: Duration = Duration::from_secs(5);
+
+const ACQUIRE: &str = r#"
+-- KEYS: lease, counter. ARGV: instance, owner, ttl_ms, highest token seen,
+-- run id the caller knows ("" if none), ttl in whole seconds.
+local info = redis.call('INFO', 'server')
+local run_id = string.match(info, 'run_id:(%w+)')
+if ARGV[5] ~= '' and ARGV[5] ~= run_id then
+  return {3, 0, run_id, 0}
+end
+local current = redis.call('GET', KEYS[1])
+if current then
+  local token, instance, owner = string.match(current, '^(%d+) (%S+) (.*)$')
+  if instance == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return {1, tonumber(token), run_id, tonumber(ARGV[3])}
+  end
+  return {0, tonumber(token), owner, redis.call('PTTL', KEYS[1])}
+end
+local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+if uptime < tonumber(ARGV[6]) then
+  return {2, 0, run_id, (tonumber(ARGV[6]) - uptime) * 1000}
+end
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
+if counter < tonumber(ARGV[4]) then
+  redis.call('SET', KEYS[2], ARGV[4])
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
+return {1, token, run_id, tonumber(ARGV[3])}
+"#;
+
+const RENEW: &str = r#"
+-- KEYS: lease. ARGV: instance, token, ttl_ms.
+local current = redis.call('GET', KEYS[1])
+if not current then
+  return {0, 0, ''}
+end
+local token, instance, owner = string.match(current, '^(%d+) (%S+) (.*)$')
+if instance == ARGV[1] and token == ARGV[2] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {1, 0, ''}
+end
+return {0, tonumber(token), owner}
+"#;
+
+const RELEASE: &str = r#"
+-- KEYS: lease. ARGV: instance, token, channel.
+local current = redis.call('GET', KEYS[1])
+if current then
+  local token, instance = string.match(current, '^(%d+) (%S+)')
+  if instance == ARGV[1] and token == ARGV[2] then
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', ARGV[3], token)
+    return 1
+  end
+end
+return 0
+"#;
+
+const ADVANCE: &str = r#"
+-- KEYS: counter. ARGV: floor.
+local counter = tonumber(redis.call('GET', KEYS[1]) or '0')
+if counter < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return tonumber(ARGV[1])
+end
+return counter
+"#;
+
+const OBSERVE: &str = r#"
+-- KEYS: lease, counter.
+local current = redis.call('GET', KEYS[1]) or ''
+return {current, redis.call('PTTL', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0')}
+"#;
+
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    config: AsyncConnectionConfig,
+    lease_key: String,
+    counter_key: String,
+    channel: String,
+    instance: String,
+    owner: String,
+    ttl: Duration,
+    call_timeout: Duration,
+    /// The command connection, reopened after an I/O error or a timeout.
+    commands: Mutex<Option<MultiplexedConnection>>,
+    /// The follower's subscription, kept across waits.
+    notices: Mutex<Option<Subscription>>,
+    /// The highest token this replica has seen, its own or a holder's.
+    highest_seen: AtomicU64,
+    /// The server's run id as last seen, and until when acquisition is held
+    /// off after it changed.
+    server: std::sync::Mutex<ServerView>,
+    scripts: Scripts,
+}
+
+#[derive(Default)]
+struct ServerView {
+    run_id: String,
+    held_off_until: Option<Instant>,
+}
+
+struct Subscription {
+    sink: PubSubSink,
+    stream: PubSubStream,
+    pinged_at: Instant,
+}
+
+struct Scripts {
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    advance: Script,
+    observe: Script,
+}
+
+impl RedisBackend {
+    /// Builds the client (no connection yet: see `check`).
+    pub fn new(
+        url: &RedisUrl,
+        tls_ca_file: Option<&PathBuf>,
+        key: &str,
+        owner: &str,
+        ttl: Duration,
+        call_timeout: Duration,
+    ) -> Result<RedisBackend, ConfigError> {
+        let client = client(url, tls_ca_file)?;
+        let prefix = format!("leaderrun:{{{key}}}");
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                client,
+                config: AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(call_timeout))
+                    .set_response_timeout(Some(call_timeout)),
+                lease_key: format!("{prefix}:lease"),
+                counter_key: format!("{prefix}:counter"),
+                channel: format!("{prefix}:released"),
+                instance: super::random_instance(),
+                owner: owner.to_owned(),
+                ttl,
+                call_timeout,
+                commands: Mutex::new(None),
+                notices: Mutex::new(None),
+                highest_seen: AtomicU64::new(0),
+                server: std::sync::Mutex::new(ServerView::default()),
+                scripts: Scripts {
+                    acquire: Script::new(ACQUIRE),
+                    renew: Script::new(RENEW),
+                    release: Script::new(RELEASE),
+                    advance: Script::new(ADVANCE),
+                    observe: Script::new(OBSERVE),
+                },
+            }),
+        })
+    }
+
+    /// Connects once at startup. A wrong password or user is a configuration
+    /// error; a server that cannot be reached is only a warning (the
+    /// supervisor keeps campaigning).
+    pub async fn check(&self) -> Result<(), CheckError> {
+        match tokio::time::timeout(self.inner.call_timeout, self.connection()).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(Failure::Auth(why))) => Err(CheckError::Auth(why)),
+            Ok(Err(Failure::Other(e))) => Err(CheckError::Unreachable(e)),
+            Err(_) => Err(CheckError::Unreachable(Unreachable::Timeout(
+                self.inner.call_timeout,
+            ))),
+        }
+    }
+
+    pub async fn acquire(&self) -> Result<Attempt, Unreachable> {
+        let inner = &self.inner;
+        let (known_run_id, held_off) = {
+            let server = inner.server.lock().unwrap();
+            (server.run_id.clone(), server.held_off_until)
+        };
+        if let Some(until) = held_off {
+            let now = Instant::now();
+            if now < until {
+                return Ok(Attempt::HeldOff {
+                    retry_in: until - now,
+                    why: "the Redis server changed (new run id); waiting one ttl for a stale leader to stop",
+                });
+            }
+        }
+        let ttl_ms = inner.ttl.as_millis() as u64;
+        let ttl_secs = inner.ttl.as_secs() + u64::from(inner.ttl.subsec_nanos() > 0);
+        let (code, token, text, ms): (i64, u64, String, i64) = self
+            .call(|mut conn| async move {
+                inner
+                    .scripts
+                    .acquire
+                    .key(&inner.lease_key)
+                    .key(&inner.counter_key)
+                    .arg(&inner.instance)
+                    .arg(&inner.owner)
+                    .arg(ttl_ms)
+                    .arg(inner.highest_seen.load(Ordering::SeqCst))
+                    .arg(&known_run_id)
+                    .arg(ttl_secs)
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        let remaining = Duration::from_millis(ms.max(0) as u64);
+        match code {
+            1 => {
+                self.saw(token);
+                self.inner.server.lock().unwrap().run_id = text;
+                Ok(Attempt::Acquired { token })
+            }
+            0 => {
+                self.saw(token);
+                Ok(Attempt::Held(Holder {
+                    owner: text,
+                    token,
+                    // PTTL is -1 for a key without expiry (an operator's SET).
+                    expires_in: (ms >= 0).then_some(remaining),
+                }))
+            }
+            2 => {
+                self.inner.server.lock().unwrap().run_id = text;
+                Ok(Attempt::HeldOff {
+                    retry_in: remaining,
+                    why: "the Redis server started less than one ttl ago; waiting for a stale leader to stop",
+                })
+            }
+            _ => {
+                // The run id changed: the data may be older than what a
+                // leader was told. Hold off one ttl from now.
+                let mut server = self.inner.server.lock().unwrap();
+                server.run_id = text;
+                server.held_off_until = Some(Instant::now() + self.inner.ttl);
+                Ok(Attempt::HeldOff {
+                    retry_in: self.inner.ttl,
+                    why: "the Redis server changed (new run id); waiting one ttl for a stale leader to stop",
+                })
+            }
+        }
+    }
+
+    pub async fn renew(&self, token: u64) -> Result<(), RenewError> {
+        let inner = &self.inner;
+        let ttl_ms = inner.ttl.as_millis() as u64;
+        let (code, holder_token, owner): (i64, u64, String) = self
+            .call(|mut conn| async move {
+                inner
+                    .scripts
+                    .renew
+                    .key(&inner.lease_key)
+                    .arg(&inner.instance)
+                    .arg(token)
+                    .arg(ttl_ms)
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        if code == 1 {
+            return Ok(());
+        }
+        self.saw(holder_token);
+        Err(RenewError::Lost((holder_token > 0).then_some(Holder {
+            owner,
+            token: holder_token,
+            expires_in: None,
+        })))
+    }
+
+    pub async fn release(&self, token: u64) -> Result<bool, Unreachable> {
+        let inner = &self.inner;
+        let released: i64 = self
+            .call(|mut conn| async move {
+                inner
+                    .scripts
+                    .release
+                    .key(&inner.lease_key)
+                    .arg(&inner.instance)
+                    .arg(token)
+                    .arg(&inner.channel)
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(released == 1)
+    }
+
+    pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
+        if floor > MAX_TOKEN {
+            return Err(Unreachable::Corrupt(format!(
+                "fence floor {floor} is above the largest token Redis keeps exactly ({MAX_TOKEN})"
+            )));
+        }
+        let inner = &self.inner;
+        let counter: u64 = self
+            .call(|mut conn| async move {
+                inner
+                    .scripts
+                    .advance
+                    .key(&inner.counter_key)
+                    .arg(floor)
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        self.saw(counter);
+        Ok(counter)
+    }
+
+    pub async fn observe(&self) -> Result<Observation, Unreachable> {
+        let inner = &self.inner;
+        let (value, pttl, counter): (String, i64, u64) = self
+            .call(|mut conn| async move {
+                inner
+                    .scripts
+                    .observe
+                    .key(&inner.lease_key)
+                    .key(&inner.counter_key)
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        let holder = parse_lease(&value).map(|(token, owner)| Holder {
+            owner,
+            token,
+            expires_in: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+        });
+        Ok(Observation { holder, counter })
+    }
+
+    /// Waits for a release notice on the lease's channel. The subscription
+    /// has its own connection and outlives each wait (a follower's wait is
+    /// cancelled by every timer); it is re-made after a drop, and pinged so
+    /// that a socket that died silently is noticed. A fresh subscription
+    /// returns at once: a release may have happened while there was none.
+    pub async fn notice(&self) {
+        let inner = &self.inner;
+        let mut slot = inner.notices.lock().await;
+        if slot.is_none() {
+            match tokio::time::timeout(inner.call_timeout, self.subscribe()).await {
+                Ok(Ok(subscription)) => {
+                    *slot = Some(subscription);
+                    return;
+                }
+                // Try again at the next wait; until then, polling only.
+                _ => return std::future::pending().await,
+            }
+        }
+        let subscription = slot.as_mut().expect("subscribed above");
+        use futures_util::StreamExt as _;
+        loop {
+            let ping_at = subscription.pinged_at + PING_EVERY;
+            tokio::select! {
+                message = subscription.stream.next() => {
+                    if message.is_none() {
+                        *slot = None;
+                    }
+                    return;
+                }
+                _ = tokio::time::sleep_until(ping_at) => {
+                    subscription.pinged_at = Instant::now();
+                    let ping = tokio::time::timeout(inner.call_timeout, subscription.sink.ping::<String>()).await;
+                    if !matches!(ping, Ok(Ok(_))) {
+                        *slot = None;
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn subscribe(&self) -> redis::RedisResult<Subscription> {
+        let pubsub = self.inner.client.get_async_pubsub().await?;
+        let (mut sink, stream) = pubsub.split();
+        sink.subscribe(&self.inner.channel).await?;
+        Ok(Subscription {
+            sink,
+            stream,
+            pinged_at: Instant::now(),
+        })
+    }
+
+    /// Remembers a token seen on the server, so the counter is never let
+    /// fall behind it.
+    fn saw(&self, token: u64) {
+        self.inner.highest_seen.fetch_max(token, Ordering::SeqCst);
+    }
+
+    async fn connection(&self) -> Result<MultiplexedConnection, Failure> {
+        let mut slot = self.inner.commands.lock().await;
+        if let Some(connection) = slot.as_ref() {
+            return Ok(connection.clone());
+        }
+        let connection = self
+            .inner
+            .client
+            .get_multiplexed_async_connection_with_config(&self.inner.config)
+            .await
+            .map_err(Failure::from)?;
+        *slot = Some(connection.clone());
+        Ok(connection)
+    }
+
+    /// Runs one command; drops the connection after an error that leaves
+    /// its state unknown, so the next call reconnects.
+    async fn call<T, F, Fut>(&self, command: F) -> Result<T, Unreachable>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        let connection = self.connection().await.map_err(Failure::into_unreachable)?;
+        match command(connection).await {
+            Ok(value) => Ok(value),
+            Err(error) => {
+                if error.is_io_error()
+                    || error.is_timeout()
+                    || error.is_connection_dropped()
+                    || error.is_unrecoverable_error()
+                {
+                    *self.inner.commands.lock().await = None;
+                }
+                Err(Failure::from(error).into_unreachable())
+            }
+        }
+    }
+}
+
+/// What the startup check found.
+pub enum CheckError {
+    Auth(String),
+    Unreachable(Unreachable),
+}
+
+enum Failure {
+    Auth(String),
+    Other(Unreachable),
+}
+
+impl From<redis::RedisError> for Failure {
+    fn from(error: redis::RedisError) -> Self {
+        // redis-rs errors name the server's reply or the OS error, never the
+        // URL or its password.
+        if error.kind() == redis::ErrorKind::AuthenticationFailed
+            || error
+                .code()
+                .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM")
+        {
+            return Failure::Auth(error.to_string());
+        }
+        Failure::Other(Unreachable::Redis(error.to_string()))
+    }
+}
+
+impl Failure {
+    fn into_unreachable(self) -> Unreachable {
+        match self {
+            Failure::Auth(why) => Unreachable::Redis(why),
+            Failure::Other(e) => e,
+        }
+    }
+}
+
+/// `(token, owner)` of a lease value `"<token> <instance> <owner>"`.
+fn parse_lease(value: &str) -> Option<(u64, String)> {
+    let mut parts = value.splitn(3, ' ');
+    let token = parts.next()?.parse().ok()?;
+    let _instance = parts.next()?;
+    Some((token, parts.next()?.to_owned()))
+}
+
+fn client(url: &RedisUrl, tls_ca_file: Option<&PathBuf>) -> Result<Client, ConfigError> {
+    if matches!(url.address, RedisAddress::Tcp { tls: true, .. }) {
+        // rustls needs a process-wide crypto provider; ring is the one built
+        // in. An error only means one is installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    let address = match &url.address {
+        RedisAddress::Tcp {
+            host,
+            port,
+            tls: false,
+        } => ConnectionAddr::Tcp(host.clone(), *port),
+        RedisAddress::Tcp {
+            host,
+            port,
+            tls: true,
+        } => ConnectionAddr::TcpTls {
+            host: host.clone(),
+            port: *port,
+            insecure: false,
+            tls_params: None,
+        },
+        RedisAddress::Unix { path } => ConnectionAddr::Unix(path.clone()),
+    };
+    let mut settings = RedisConnectionInfo::default().set_db(url.db);
+    if let Some(user) = &url.username {
+        settings = settings.set_username(user);
+    }
+    if let Some(password) = &url.password {
+        settings = settings.set_password(password.expose());
+    }
+    let refused = |why: String| ConfigError::BackendUrl {
+        url: url.to_string(),
+        why,
+    };
+    let info = address
+        .into_connection_info()
+        .map_err(|e| refused(e.to_string()))?
+        .set_redis_settings(settings);
+    match (tls_ca_file, &url.address) {
+        (Some(ca), RedisAddress::Tcp { tls: true, .. }) => {
+            let pem = std::fs::read(ca)
+                .map_err(|e| refused(format!("cannot read --tls-ca-file {}: {e}", ca.display())))?;
+            Client::build_with_tls(
+                info,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                },
+            )
+            .map_err(|e| refused(format!("--tls-ca-file {}: {e}", ca.display())))
+        }
+        (Some(_), _) => Err(refused("--tls-ca-file needs a rediss:// URL".into())),
+        (None, _) => Client::open(info).map_err(|e| refused(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_values_parse() {
+        assert_eq!(parse_lease("7 00ff host:1"), Some((7, "host:1".into())));
+        assert_eq!(parse_lease(""), None);
+        assert_eq!(parse_lease("x 00ff host"), None);
+    }
+
+    #[test]
+    fn keys_of_a_lease_share_one_hash_tag() {
+        // The tag is the text between the first '{' and the next '}': the
+        // same for every key of a lease, whatever the key contains.
+        fn tag(key: &str) -> &str {
+            let open = key.find('{').unwrap();
+            let close = key[open + 1..].find('}').unwrap() + open + 1;
+            &key[open + 1..close]
+        }
+        for key in ["plain", "a}b", "x{y", "}{"] {
+            let prefix = format!("leaderrun:{{{key}}}");
+            assert_eq!(
+                tag(&format!("{prefix}:lease")),
+                tag(&format!("{prefix}:counter")),
+                "{key}"
+            );
+        }
+    }
+}

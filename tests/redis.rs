@@ -1,0 +1,444 @@
+//! The Redis backend against real `redis-server` processes that the tests
+//! start on free ports, and stop, pause, restart and flush.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::redis_server::{RedisServer, free_port};
+use common::{Sandbox, alive, ensure_dead, wait_dead, wait_until};
+use nix::sys::signal::Signal;
+
+const LONG: Duration = Duration::from_secs(20);
+
+/// A server that has been up long enough (2 s, the test ttl) for leaderrun
+/// to acquire from it.
+fn ready_server() -> RedisServer {
+    let server = RedisServer::start();
+    server.wait_uptime(None, 2);
+    server
+}
+
+#[test]
+fn tokens_grow_across_terms() {
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    for expected in 1..=3 {
+        let out = sandbox
+            .leaderrun_on(server.url(), "grow")
+            .sh("echo $LEADERRUN_TOKEN")
+            .run();
+        assert_eq!(
+            (out.code, out.stdout.trim()),
+            (0, expected.to_string().as_str()),
+            "{}",
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn tokens_keep_growing_across_a_redis_restart_while_replicas_live() {
+    let mut server = ready_server();
+    let sandbox = Sandbox::new();
+    for _ in 0..3 {
+        assert_eq!(
+            sandbox
+                .leaderrun_on(server.url(), "restart")
+                .sh("true")
+                .run()
+                .code,
+            0
+        );
+    }
+    let job = "echo $LEADERRUN_TOKEN >> tokens; trap 'exit 0' TERM; while :; do sleep 0.02; done";
+    let _a = sandbox
+        .leaderrun_on(server.url(), "restart")
+        .sh(job)
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.lines("tokens").len() == 1));
+    let _b = sandbox
+        .leaderrun_on(server.url(), "restart")
+        .sh(job)
+        .spawn();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(sandbox.lines("tokens"), ["4"]);
+
+    // Without persistence the restarted server has no lease and no counter.
+    server.restart();
+    assert!(
+        wait_until(LONG, || sandbox.lines("tokens").len() == 2),
+        "no new term"
+    );
+    let tokens: Vec<u64> = sandbox
+        .lines("tokens")
+        .iter()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert!(
+        tokens[1] > tokens[0],
+        "token went from {} to {} across the restart",
+        tokens[0],
+        tokens[1]
+    );
+}
+
+#[test]
+fn a_restarted_redis_is_not_acquired_from_for_one_ttl() {
+    let sandbox = Sandbox::new();
+    let server = RedisServer::start();
+    let started = Instant::now();
+    let mut replica = sandbox
+        .leaderrun_on(server.url(), "holdoff")
+        .sh("echo $LEADERRUN_TOKEN > token")
+        .spawn();
+    assert_eq!(replica.wait(LONG), Some(0), "{}", replica.stderr());
+    let took = started.elapsed();
+    // uptime_in_seconds must reach the 2 s ttl.
+    assert!(
+        took >= Duration::from_millis(1800),
+        "acquired {took:?} after the server started"
+    );
+    assert!(
+        replica.stderr().contains("lease held off"),
+        "{}",
+        replica.stderr()
+    );
+    assert_eq!(sandbox.read("token").trim(), "1");
+}
+
+#[test]
+fn a_graceful_stop_hands_over_without_waiting_for_the_next_attempt() {
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun_on(server.url(), "handover")
+        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done; date +%s%N > a-ended")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let mut follower = sandbox
+        .leaderrun_on(server.url(), "handover")
+        .args(["--campaign-every", "10s"])
+        .sh("date +%s%N > b-started; echo $LEADERRUN_TOKEN > b-token")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::write(sandbox.path("stop"), "").unwrap();
+    assert_eq!(leader.wait(LONG), Some(0));
+    assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
+    let ended: u128 = sandbox.read("a-ended").trim().parse().unwrap();
+    let started: u128 = sandbox.read("b-started").trim().parse().unwrap();
+    let gap = Duration::from_nanos((started - ended) as u64);
+    assert!(
+        gap < Duration::from_secs(2),
+        "follower took {gap:?} with a 10 s campaign period"
+    );
+    assert_eq!(sandbox.read("b-token").trim(), "2");
+}
+
+#[test]
+fn a_follower_resubscribes_after_its_notice_connection_is_killed() {
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    let _leader = sandbox
+        .leaderrun_on(server.url(), "resub")
+        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let follower = sandbox
+        .leaderrun_on(server.url(), "resub")
+        .args(["--campaign-every", "10s"])
+        .sh("touch b-started")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_millis(500));
+    server
+        .command(None, &["CLIENT", "KILL", "TYPE", "pubsub"])
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let released = Instant::now();
+    std::fs::write(sandbox.path("stop"), "").unwrap();
+    assert!(wait_until(LONG, || sandbox.path("b-started").exists()));
+    assert!(
+        released.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        released.elapsed()
+    );
+}
+
+#[test]
+fn a_follower_wakes_at_a_dead_holders_expiry() {
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    let leader = sandbox
+        .leaderrun_on(server.url(), "expiry")
+        .sh("touch a-started; sleep 300")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let follower = sandbox
+        .leaderrun_on(server.url(), "expiry")
+        .args(["--campaign-every", "30s"])
+        .sh("touch b-started")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_millis(300));
+    let killed = Instant::now();
+    leader.signal(Signal::SIGKILL);
+    // The lease lapses in Redis at most ttl (2 s) after the last renewal;
+    // the follower knows when and does not wait for its 30 s period.
+    assert!(wait_until(LONG, || sandbox.path("b-started").exists()));
+    let took = killed.elapsed();
+    assert!(
+        took < Duration::from_millis(3500),
+        "took over after {took:?}"
+    );
+}
+
+#[test]
+fn deleting_the_lease_key_ends_the_term_at_once_and_a_greater_token_follows() {
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun_on(server.url(), "deleted")
+        .sh("trap 'date +%s%N > yielded; exit 0' TERM; echo $LEADERRUN_TOKEN >> tokens; while :; do sleep 0.02; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.lines("tokens").len() == 1));
+    let deleted = Instant::now();
+    server
+        .command(None, &["DEL", "leaderrun:{deleted}:lease"])
+        .unwrap();
+    assert!(wait_until(LONG, || sandbox.path("yielded").exists()));
+    // The next renewal (every 400 ms) finds the lease gone.
+    assert!(
+        deleted.elapsed() < Duration::from_millis(1500),
+        "yielded {:?} after",
+        deleted.elapsed()
+    );
+    assert!(
+        wait_until(LONG, || sandbox.lines("tokens").len() == 2),
+        "{}",
+        leader.stderr()
+    );
+    assert_eq!(sandbox.lines("tokens"), ["1", "2"]);
+    assert!(
+        leader.stderr().contains("reason=lost"),
+        "{}",
+        leader.stderr()
+    );
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(0));
+}
+
+#[test]
+fn a_paused_redis_ends_the_term_before_the_deadline_and_leaderrun_leads_again() {
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun_on(server.url(), "paused")
+        .sh("trap 'date +%s%N > yielded' TERM; echo $$ > child.pid; echo $LEADERRUN_TOKEN >> tokens; while :; do sleep 0.02; done")
+        .spawn();
+    let child = sandbox.wait_pid("child.pid");
+    let paused = Instant::now();
+    server.pause();
+    // The last renewal was sent at most 400 ms before the pause: the yield
+    // comes at most 1 s after it (D − yield_grace) and the kill at most
+    // 1.8 s after it (E − margin), however long Redis stays silent.
+    assert!(wait_until(LONG, || sandbox.path("yielded").exists()));
+    let yielded = paused.elapsed();
+    let died = wait_dead(child, LONG).map(|_| paused.elapsed());
+    ensure_dead(child);
+    assert!(
+        yielded <= Duration::from_millis(1300),
+        "yield {yielded:?} after the pause"
+    );
+    let died = died.expect("the child outlived its term");
+    assert!(
+        died <= Duration::from_millis(2100),
+        "child died {died:?} after the pause"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(leader.running(), "leaderrun must survive a paused backend");
+    server.resume();
+    assert!(
+        wait_until(LONG, || sandbox.lines("tokens").len() == 2),
+        "{}",
+        leader.stderr()
+    );
+    assert_eq!(sandbox.lines("tokens"), ["1", "2"]);
+    assert!(alive(sandbox.wait_pid("child.pid")));
+    leader.signal(Signal::SIGTERM);
+    leader.wait(LONG);
+}
+
+#[test]
+fn acl_users_and_passwords_authenticate_and_a_wrong_one_is_a_clear_error() {
+    let server = RedisServer::start_with(&["--user", "app", "on", ">s3cret", "~*", "&*", "+@all"]);
+    server.wait_uptime(Some("app:s3cret"), 2);
+    let sandbox = Sandbox::new();
+    let url = server.url().replacen("://", "://app:s3cret@", 1);
+    let out = sandbox
+        .leaderrun_on(&url, "acl")
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+
+    let wrong = server.url().replacen("://", "://app:not-it@", 1);
+    let out = sandbox.leaderrun_on(&wrong, "acl").sh("touch ran").run();
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("refused the credentials"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("not-it"), "{}", out.stderr);
+    assert!(!sandbox.path("ran").exists());
+
+    let requirepass = RedisServer::start_with(&["--requirepass", "hunter2"]);
+    requirepass.wait_uptime(Some(":hunter2"), 2);
+    let url = requirepass.url().replacen("://", "://:hunter2@", 1);
+    let out = sandbox
+        .leaderrun_on(&url, "pass")
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+}
+
+#[test]
+fn the_password_never_reaches_logs_or_the_child() {
+    let server = RedisServer::start_with(&["--requirepass", "hunter2"]);
+    server.wait_uptime(Some(":hunter2"), 2);
+    let sandbox = Sandbox::new();
+    let url = server.url().replacen("://", "://:hunter2@", 1);
+    let out = sandbox
+        .leaderrun_on(&url, "secret")
+        .arg("-vv")
+        .sh("env")
+        .run();
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        !out.stdout.contains("hunter2"),
+        "the child saw the password:\n{}",
+        out.stdout
+    );
+    assert!(
+        !out.stderr.contains("hunter2"),
+        "the log shows the password:\n{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("redis://:***@127.0.0.1"),
+        "{}",
+        out.stderr
+    );
+
+    // Through the environment, and when the server cannot be reached.
+    let closed = format!("redis://:hunter2@127.0.0.1:{}", free_port());
+    let out = common::Run::new(&sandbox.path(""))
+        .env("LEADERRUN_BACKEND", &closed)
+        .args(["--key", "secret", "--no-wait", "-vv"])
+        .sh("env")
+        .run();
+    assert_eq!(out.code, 69, "{}", out.stderr);
+    assert!(!out.stderr.contains("hunter2"), "{}", out.stderr);
+}
+
+#[test]
+fn tls_with_a_private_ca() {
+    let (server, ca) = RedisServer::start_tls();
+    let sandbox = Sandbox::new();
+    // Wait out the hold-off through leaderrun itself (the harness has no TLS).
+    let out = sandbox
+        .leaderrun_on(server.url(), "tls")
+        .args(["--tls-ca-file", ca.to_str().unwrap()])
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+
+    // Without the CA the certificate is not trusted: the server cannot be asked.
+    let out = sandbox
+        .leaderrun_on(server.url(), "tls")
+        .arg("--no-wait")
+        .sh("true")
+        .run();
+    assert_eq!(out.code, 69, "{}", out.stderr);
+}
+
+#[test]
+fn unix_socket() {
+    let server = RedisServer::start_unix();
+    server.wait_uptime(None, 2);
+    let sandbox = Sandbox::new();
+    let url = format!("{}?db=3", server.url());
+    let out = sandbox
+        .leaderrun_on(&url, "unix")
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+    let status = std::process::Command::new(common::BIN)
+        .args(["status", "--backend", &url, "--key", "unix", "--json"])
+        .output()
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(json["counter"], 1, "{json}");
+}
+
+#[test]
+fn no_wait_against_a_closed_port_gives_up_with_69() {
+    let sandbox = Sandbox::new();
+    let url = format!("redis://127.0.0.1:{}", free_port());
+    let out = sandbox
+        .leaderrun_on(&url, "closed")
+        .arg("--no-wait")
+        .sh("touch ran")
+        .run();
+    assert_eq!(out.code, 69, "{}", out.stderr);
+    assert!(out.stderr.contains("backend unreachable"), "{}", out.stderr);
+    assert!(!sandbox.path("ran").exists());
+}
+
+#[test]
+fn no_wait_on_a_held_lease_gives_up_with_75_and_status_shows_the_holder() {
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    let _leader = sandbox
+        .leaderrun_on(server.url(), "held")
+        .args(["--owner", "leader-1"])
+        .sh("touch started; sleep 300")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("started").exists()));
+    let out = sandbox
+        .leaderrun_on(server.url(), "held")
+        .arg("--no-wait")
+        .sh("touch ran")
+        .run();
+    assert_eq!(out.code, 75, "{}", out.stderr);
+    let status = std::process::Command::new(common::BIN)
+        .args([
+            "status",
+            "--backend",
+            server.url(),
+            "--key",
+            "held",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(0));
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        (json["holder"].as_str(), json["token"].as_u64()),
+        (Some("leader-1"), Some(1)),
+        "{json}"
+    );
+    let closed = std::process::Command::new(common::BIN)
+        .args([
+            "status",
+            "--backend",
+            &format!("redis://127.0.0.1:{}", free_port()),
+            "--key",
+            "held",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(closed.status.code(), Some(69));
+}
