@@ -46,19 +46,20 @@ const PING_EVERY: Duration = Duration::from_secs(5);
 const ACQUIRE: &str = r#"
 -- KEYS: lease, counter. ARGV: instance, owner, ttl_ms, highest token seen,
 -- run id the caller knows ("" if none), ttl in whole seconds.
-local info = redis.call('INFO', 'server')
-local run_id = string.match(info, 'run_id:(%w+)')
-if ARGV[5] ~= '' and ARGV[5] ~= run_id then
-  return {3, 0, run_id, 0}
-end
 local current = redis.call('GET', KEYS[1])
 if current then
   local token, instance, owner = string.match(current, '^(%d+) (%S+) (.*)$')
   if instance == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
-    return {1, tonumber(token), run_id, tonumber(ARGV[3])}
+    return {1, tonumber(token), '', tonumber(ARGV[3])}
   end
   return {0, tonumber(token), owner, redis.call('PTTL', KEYS[1])}
+end
+-- Free: only now does the server's history matter.
+local info = redis.call('INFO', 'server')
+local run_id = string.match(info, 'run_id:(%w+)')
+if ARGV[5] ~= '' and ARGV[5] ~= run_id then
+  return {3, 0, run_id, 0}
 end
 local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
 if uptime < tonumber(ARGV[6]) then
@@ -256,7 +257,9 @@ impl RedisBackend {
         match code {
             1 => {
                 self.saw(token);
-                self.inner.server.lock().unwrap().run_id = text;
+                if !text.is_empty() {
+                    self.inner.server.lock().unwrap().run_id = text;
+                }
                 Ok(Attempt::Acquired { token })
             }
             0 => {
