@@ -92,9 +92,24 @@ pub struct Child {
 /// The variables a term's child gets on top of leaderrun's environment.
 pub struct ChildEnv<'a> {
     pub token_env: &'a str,
-    pub token: u64,
+    /// None for the fence-floor command, which runs before there is a token.
+    pub token: Option<u64>,
     pub key: &'a str,
     pub owner: &'a str,
+}
+
+/// What to start: a program (already resolved) and its argv, argv[0] first.
+pub struct Program<'a> {
+    pub path: &'a Path,
+    pub argv: &'a [OsString],
+}
+
+/// `/bin/sh -c <script>`, the way the fencing hooks run.
+pub fn shell(script: &str) -> (PathBuf, Vec<OsString>) {
+    (
+        "/bin/sh".into(),
+        vec!["sh".into(), "-c".into(), script.into()],
+    )
 }
 
 /// Spawns the command in a process group of its own.
@@ -108,15 +123,24 @@ pub struct ChildEnv<'a> {
 /// it borrows leaderrun's memory until it execs, instead of copying its page
 /// tables, which takes a third off the time to a running child (the critical
 /// path of a handover). `posix_spawn` itself cannot arm a death signal.
-pub fn spawn(program: &Path, command: &[OsString], env: &ChildEnv<'_>) -> io::Result<Child> {
-    let take_terminal = terminal_is_ours();
+///
+/// With `stdout`, the child's standard output goes to that descriptor (the
+/// fence-floor command's pipe); otherwise it is inherited, like stdin and
+/// stderr.
+pub fn spawn(
+    program: Program<'_>,
+    env: &ChildEnv<'_>,
+    stdout: Option<&OwnedFd>,
+) -> io::Result<Child> {
+    let take_terminal = stdout.is_none() && terminal_is_ours();
     // Everything the child needs is built here: between the clone and the
     // exec it shares our memory and may not allocate.
     let cstring = |bytes: &[u8]| {
         CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
     };
-    let path = cstring(program.as_os_str().as_bytes())?;
-    let argv = command
+    let path = cstring(program.path.as_os_str().as_bytes())?;
+    let argv = program
+        .argv
         .iter()
         .map(|arg| cstring(arg.as_bytes()))
         .collect::<io::Result<Vec<_>>>()?;
@@ -139,6 +163,7 @@ pub fn spawn(program: &Path, command: &[OsString], env: &ChildEnv<'_>) -> io::Re
         envp: envp_ptrs.as_ptr(),
         parent: nix::unistd::getpid().as_raw(),
         take_terminal,
+        stdout: stdout.map_or(-1, |fd| fd.as_raw_fd()),
         errno: AtomicI32::new(0),
     };
     let mut stack = vec![0u8; CHILD_STACK];
@@ -189,6 +214,8 @@ struct ChildSetup {
     envp: *const *const libc::c_char,
     parent: libc::pid_t,
     take_terminal: bool,
+    /// A descriptor to make the child's stdout, or -1.
+    stdout: libc::c_int,
     /// Set by the child if it cannot exec.
     errno: AtomicI32,
 }
@@ -206,13 +233,16 @@ fn child_environment(env: &ChildEnv<'_>) -> Vec<Vec<u8>> {
         .filter(|(name, _)| !ours.iter().any(|o| name.as_bytes() == o.as_bytes()))
         .map(|(name, value)| [name.as_bytes(), b"=", value.as_bytes()].concat())
         .collect();
-    let token = env.token.to_string();
-    for (name, value) in [
-        (env.token_env, token.as_str()),
-        ("LEADERRUN_KEY", env.key),
-        ("LEADERRUN_OWNER", env.owner),
-    ] {
-        entries.push([name.as_bytes(), b"=", value.as_bytes()].concat());
+    let token = env.token.map(|t| t.to_string());
+    let ours = [
+        (env.token_env, token.as_deref()),
+        ("LEADERRUN_KEY", Some(env.key)),
+        ("LEADERRUN_OWNER", Some(env.owner)),
+    ];
+    for (name, value) in ours {
+        if let Some(value) = value {
+            entries.push([name.as_bytes(), b"=", value.as_bytes()].concat());
+        }
     }
     entries
 }
@@ -247,6 +277,9 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             }
         }
         if libc::setpgid(0, 0) != 0 {
+            fail(setup);
+        }
+        if setup.stdout >= 0 && libc::dup2(setup.stdout, libc::STDOUT_FILENO) < 0 {
             fail(setup);
         }
         if setup.take_terminal {

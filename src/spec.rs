@@ -26,9 +26,7 @@ pub struct Spec {
     pub yield_signal: Signal,
     pub wait: Wait,
     pub hold_for: Duration,
-    #[allow(dead_code)] // The fencing hooks are accepted and validated; they run once built.
     pub fence_floor_cmd: Option<String>,
-    #[allow(dead_code)]
     pub claim_cmd: Option<String>,
     pub require_fence_advance: bool,
     pub command: Vec<OsString>,

@@ -14,12 +14,13 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use tokio::io::AsyncReadExt as _;
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::backend::{Attempt, Backend, RenewError, Unreachable};
 use crate::error::Exit;
-use crate::process::{self, Child, ChildEnv, Guard};
+use crate::process::{self, Child, ChildEnv, Guard, Program};
 use crate::signals::{SignalEvent, Signals};
 use crate::spec::{Spec, Wait};
 use crate::timeline::{Deadlines, show};
@@ -35,6 +36,8 @@ pub enum EndReason {
     Lost,
     /// The command exited by itself.
     ChildExited,
+    /// The claim command failed or did not finish before the yield point.
+    ClaimRefused,
 }
 
 impl EndReason {
@@ -44,6 +47,7 @@ impl EndReason {
             EndReason::Stopped => "stopped",
             EndReason::Lost => "lost",
             EndReason::ChildExited => "child exited",
+            EndReason::ClaimRefused => "claim refused",
         }
     }
 }
@@ -75,7 +79,11 @@ struct Term {
     /// When what is left of the child gets SIGKILL, once the term is ending
     /// early; the term's own kill point applies in any case.
     early_kill_at: Option<Instant>,
-    /// The command's exit code, once it has been reaped.
+    /// The claim command is running (`child` is it, not the command yet).
+    claiming: bool,
+    /// The command itself was started in this term.
+    command_ran: bool,
+    /// The current child's exit code, once it has been reaped.
     status: Option<u8>,
     /// Descendants still alive after the command itself exited.
     leftovers: bool,
@@ -96,6 +104,33 @@ impl Term {
 }
 
 type Renewal = Pin<Box<dyn Future<Output = (Instant, Result<(), RenewError>)>>>;
+
+/// How a term ended: why, and the command's exit code if it ran.
+struct TermEnd {
+    reason: EndReason,
+    code: Option<u8>,
+}
+
+/// Why a follower's wait ended.
+enum Wake {
+    Attempt,
+    Stopped,
+    GaveUp,
+}
+
+/// Why an acquisition attempt did not reach an answer.
+enum AttemptError {
+    Unreachable(Unreachable),
+    /// The fence-floor command failed or printed something unusable.
+    Floor(String),
+    Stopped,
+}
+
+impl From<Unreachable> for AttemptError {
+    fn from(error: Unreachable) -> Self {
+        AttemptError::Unreachable(error)
+    }
+}
 
 impl Supervisor {
     pub fn new(
@@ -118,25 +153,38 @@ impl Supervisor {
 
     pub async fn run(mut self) -> Exit {
         info!(backend = %self.spec.backend, "campaign started");
+        let mut not_before = None;
         loop {
-            let (token, sent_at) = match self.campaign().await {
+            let (token, sent_at) = match self.campaign(not_before.take()).await {
                 Campaign::Acquired { token, sent_at } => (token, sent_at),
                 Campaign::GaveUp(exit) => return exit,
                 Campaign::Stopped => return Exit::Stopped,
             };
-            let (reason, code) = self.lead(token, sent_at).await;
-            let again = matches!(reason, EndReason::Deadline | EndReason::Lost)
-                && !self.stopping
-                && self.spec.wait != Wait::Once;
-            if !again {
-                return Exit::Child(code);
+            let end = self.lead(token, sent_at).await;
+            let once = self.spec.wait == Wait::Once;
+            match (end.reason, end.code) {
+                (_, None) if self.stopping => return Exit::Stopped,
+                (_, Some(code)) if self.stopping => return Exit::Child(code),
+                (EndReason::ChildExited | EndReason::Stopped, code) => {
+                    return code.map_or(Exit::Stopped, Exit::Child);
+                }
+                (_, Some(code)) if once => return Exit::Child(code),
+                (_, None) if once => return Exit::HeldElsewhere,
+                (EndReason::ClaimRefused, _) => {
+                    // A refused claim means this token is stale (or the store
+                    // is unwell): try the next one a campaign period later,
+                    // not in a tight loop.
+                    not_before = Some(Instant::now() + self.spec.timing.campaign_every);
+                }
+                (EndReason::Deadline | EndReason::Lost, _) => {}
             }
             info!("campaign started");
         }
     }
 
     /// Attempts until the lease is ours, the wait runs out, or a stop signal.
-    async fn campaign(&mut self) -> Campaign {
+    /// The first attempt waits for `not_before`, if given.
+    async fn campaign(&mut self, not_before: Option<Instant>) -> Campaign {
         let timing = self.spec.timing;
         let give_up_at = match self.spec.wait {
             Wait::For(wait) => Some(Instant::now() + wait),
@@ -145,14 +193,31 @@ impl Supervisor {
         let mut answered = false;
         let mut failures = 0;
         let mut held_off = None;
+        // Release notices cannot cut the first wait short: the one to expect
+        // then is this replica's own.
+        let mut next: Option<(Instant, bool)> = not_before.map(|at| (at, false));
         loop {
-            let sent_at = Instant::now();
-            let next_attempt = match self.backend.acquire().await {
-                Ok(Attempt::Acquired { token }) => {
+            if let Some((at, notices)) = next {
+                match self.wait(at, give_up_at, notices).await {
+                    Wake::Attempt => {}
+                    Wake::Stopped => return Campaign::Stopped,
+                    Wake::GaveUp => {
+                        info!(wait = %show(self.spec.wait_duration()), "giving up (--wait)");
+                        let exit = if answered {
+                            Exit::HeldElsewhere
+                        } else {
+                            Exit::Unreachable
+                        };
+                        return Campaign::GaveUp(exit);
+                    }
+                }
+            }
+            let wake_at = match self.attempt().await {
+                Ok((Attempt::Acquired { token }, sent_at)) => {
                     self.health.reachable();
                     return Campaign::Acquired { token, sent_at };
                 }
-                Ok(Attempt::Held(holder)) => {
+                Ok((Attempt::Held(holder), _)) => {
                     self.health.reachable();
                     answered = true;
                     failures = 0;
@@ -167,7 +232,7 @@ impl Supervisor {
                     });
                     Instant::now() + wait
                 }
-                Ok(Attempt::HeldOff { retry_in, why }) => {
+                Ok((Attempt::HeldOff { retry_in, why }, _)) => {
                     self.health.reachable();
                     answered = true;
                     failures = 0;
@@ -181,7 +246,7 @@ impl Supervisor {
                     }
                     Instant::now() + retry_in.max(Duration::from_millis(1))
                 }
-                Err(error) => {
+                Err(AttemptError::Unreachable(error)) => {
                     self.health.unreachable(&error);
                     if self.spec.wait == Wait::Once {
                         return Campaign::GaveUp(Exit::Unreachable);
@@ -189,59 +254,162 @@ impl Supervisor {
                     failures += 1;
                     Instant::now() + backoff(timing.campaign_every, failures)
                 }
-            };
-            loop {
-                tokio::select! {
-                    biased;
-                    event = self.signals.next() => match event {
-                        SignalEvent::Stop(signal) => {
-                            info!(signal = signal.as_str(), "stopped while following");
-                            return Campaign::Stopped;
-                        }
-                        // Orphans re-parented to leaderrun (as PID 1) are reaped here too.
-                        SignalEvent::ChildChanged => drop(process::reap()),
-                        SignalEvent::Forward(_) => {}
-                    },
-                    _ = sleep_until(give_up_at.unwrap_or(next_attempt)), if give_up_at.is_some_and(|at| at <= next_attempt) => {
-                        let exit = if answered { Exit::HeldElsewhere } else { Exit::Unreachable };
-                        info!(wait = %show(self.spec.wait_duration()), "giving up (--wait)");
-                        return Campaign::GaveUp(exit);
+                Err(AttemptError::Floor(why)) => {
+                    warn!(why = %why, "fence floor command failed; skipping this attempt");
+                    if self.spec.wait == Wait::Once {
+                        return Campaign::GaveUp(Exit::HeldElsewhere);
                     }
-                    () = self.backend.notice() => break,
-                    _ = sleep_until(next_attempt) => break,
+                    Instant::now() + timing.campaign_every
                 }
+                Err(AttemptError::Stopped) => return Campaign::Stopped,
+            };
+            next = Some((wake_at, true));
+        }
+    }
+
+    /// Waits while following until `at`, a release notice (when `notices`),
+    /// the --wait deadline, or a stop signal.
+    async fn wait(&mut self, at: Instant, give_up_at: Option<Instant>, notices: bool) -> Wake {
+        loop {
+            tokio::select! {
+                biased;
+                event = self.signals.next() => match event {
+                    SignalEvent::Stop(signal) => {
+                        info!(signal = signal.as_str(), "stopped while following");
+                        return Wake::Stopped;
+                    }
+                    // Orphans re-parented to leaderrun (as PID 1) are reaped here too.
+                    SignalEvent::ChildChanged => drop(process::reap()),
+                    SignalEvent::Forward(_) => {}
+                },
+                _ = sleep_until(give_up_at.unwrap_or(at)), if give_up_at.is_some_and(|g| g <= at) => return Wake::GaveUp,
+                () = self.backend.notice(), if notices => return Wake::Attempt,
+                _ = sleep_until(at) => return Wake::Attempt,
             }
         }
     }
 
-    /// Runs one term: starts the command, renews, and ends the term when the
-    /// command exits, a signal stops it, the lease is lost or the deadline
-    /// comes. Returns why it ended and the command's exit code.
-    async fn lead(&mut self, token: u64, sent_at: Instant) -> (EndReason, u8) {
-        let timing = self.spec.timing;
-        info!(token, "lease acquired");
+    /// One acquisition attempt. With --fence-floor-cmd, and only while the
+    /// lease is free, the floor command runs first and the counter is moved
+    /// up to what it printed.
+    async fn attempt(&mut self) -> Result<(Attempt, Instant), AttemptError> {
+        if let Some(script) = self.spec.fence_floor_cmd.clone() {
+            let observed = self.backend.observe().await?;
+            if let Some(holder) = observed.holder {
+                return Ok((Attempt::Held(holder), Instant::now()));
+            }
+            let floor = self.fence_floor(&script).await?;
+            let counter = self.backend.advance_fence(floor).await?;
+            debug!(floor, counter, "fence counter moved up to the floor");
+        }
+        let sent_at = Instant::now();
+        Ok((self.backend.acquire().await?, sent_at))
+    }
+
+    /// Runs the fence-floor command and parses what it printed.
+    async fn fence_floor(&mut self, script: &str) -> Result<u64, AttemptError> {
+        let (path, argv) = process::shell(script);
         let env = ChildEnv {
             token_env: &self.spec.token_env,
-            token,
+            token: None,
             key: &self.spec.key,
             owner: &self.spec.owner,
         };
-        let child = match process::spawn(&self.program, &self.spec.command, &env) {
+        let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| AttemptError::Floor(format!("cannot make a pipe: {e}")))?;
+        let child = process::spawn(
+            Program {
+                path: &path,
+                argv: &argv,
+            },
+            &env,
+            Some(&writer),
+        )
+        .map_err(|e| AttemptError::Floor(format!("cannot start it: {e}")))?;
+        drop(writer);
+        let mut output = tokio::net::unix::pipe::Receiver::from_owned_fd(reader)
+            .map_err(|e| AttemptError::Floor(format!("cannot read its output: {e}")))?;
+        let deadline = Instant::now() + self.spec.timing.ttl;
+        let mut printed = Vec::new();
+        let mut buf = [0u8; 1024];
+        let mut eof = false;
+        let mut code = None;
+        while code.is_none() || !eof {
+            tokio::select! {
+                biased;
+                event = self.signals.next() => match event {
+                    SignalEvent::Stop(signal) => {
+                        info!(signal = signal.as_str(), "stopped while following");
+                        child.signal_group(Signal::SIGKILL);
+                        return Err(AttemptError::Stopped);
+                    }
+                    SignalEvent::ChildChanged => {
+                        for (pid, status) in process::reap().exited {
+                            if pid == child.pid {
+                                code = process::exit_code(status);
+                            }
+                        }
+                    }
+                    SignalEvent::Forward(_) => {}
+                },
+                read = output.read(&mut buf), if !eof => match read {
+                    Ok(0) | Err(_) => eof = true,
+                    // Enough for any number; the rest is not kept.
+                    Ok(n) => printed.extend_from_slice(&buf[..n.min(4096 - printed.len().min(4096))]),
+                },
+                _ = sleep_until(deadline) => {
+                    child.signal_group(Signal::SIGKILL);
+                    return Err(AttemptError::Floor(format!("it did not finish within {}", show(self.spec.timing.ttl))));
+                }
+            }
+        }
+        let text = String::from_utf8_lossy(&printed);
+        let shown: String = text.trim().chars().take(200).collect();
+        match code {
+            Some(0) => text.trim().parse::<u64>().map_err(|_| {
+                AttemptError::Floor(format!(
+                    "it printed {shown:?}, which is not a non-negative integer"
+                ))
+            }),
+            code => Err(AttemptError::Floor(format!(
+                "it exited with status {} and printed {shown:?}",
+                code.unwrap_or(Exit::INTERNAL)
+            ))),
+        }
+    }
+
+    /// Runs one term: runs the claim command if there is one, starts the
+    /// command, renews, and ends the term when the command exits, a signal
+    /// stops it, the lease is lost, the claim is refused or the deadline
+    /// comes.
+    async fn lead(&mut self, token: u64, sent_at: Instant) -> TermEnd {
+        let timing = self.spec.timing;
+        info!(token, "lease acquired");
+        let claiming = self.spec.claim_cmd.is_some();
+        let first = if claiming {
+            self.start_claim(token)
+        } else {
+            self.start_command(token)
+        };
+        let child = match first {
             Ok(child) => child,
             Err(error) => {
-                warn!(token, error = %error, "cannot start the command");
+                warn!(token, error = %error, "cannot start the {}", if claiming { "claim command" } else { "command" });
                 self.release(token).await;
                 let code = match error.kind() {
                     std::io::ErrorKind::NotFound => Exit::NOT_FOUND,
                     _ => Exit::NOT_EXECUTABLE,
                 };
-                return (EndReason::ChildExited, code);
+                return TermEnd {
+                    reason: if claiming {
+                        EndReason::ClaimRefused
+                    } else {
+                        EndReason::ChildExited
+                    },
+                    code: (!claiming).then_some(code),
+                };
             }
         };
-        if let Some(guard) = &self.guard {
-            guard.watch(Some(child.pgid));
-        }
-        debug!(token, pid = child.pid.as_raw(), "child started");
 
         let mut term = Term {
             token,
@@ -249,12 +417,15 @@ impl Supervisor {
             deadlines: timing.deadlines(sent_at),
             reason: None,
             early_kill_at: None,
+            claiming,
+            command_ran: !claiming,
             status: None,
             leftovers: false,
             killed: false,
             lost: false,
         };
         let hold_until = sent_at + self.spec.hold_for;
+        let claim_deadline = term.deadlines.yield_at;
         let mut renew_at = sent_at + timing.renew_every;
         let mut renewal: Option<Renewal> = None;
         let mut renewal_failing = false;
@@ -279,7 +450,14 @@ impl Supervisor {
                 }
                 _ = sleep_until(term.deadlines.yield_at), if alive && term.reason.is_none() => {
                     let kill_at = term.deadlines.kill_at;
-                    self.begin_ending(&mut term, EndReason::Deadline, kill_at);
+                    let reason = if term.claiming { EndReason::ClaimRefused } else { EndReason::Deadline };
+                    self.begin_ending(&mut term, reason, kill_at);
+                }
+                // The claim must settle before the yield point of the term as
+                // acquired: renewals do not give it more time.
+                _ = sleep_until(claim_deadline), if term.claiming && term.reason.is_none() => {
+                    let kill_at = term.deadlines.kill_at;
+                    self.begin_ending(&mut term, EndReason::ClaimRefused, kill_at);
                 }
                 event = self.signals.next() => match event {
                     SignalEvent::ChildChanged => self.reap(&mut term),
@@ -360,14 +538,65 @@ impl Supervisor {
         if !term.lost {
             self.release(token).await;
         }
-        let reason = term.reason.unwrap_or(EndReason::ChildExited);
-        (reason, term.status.unwrap_or(Exit::INTERNAL))
+        TermEnd {
+            reason: term.reason.unwrap_or(EndReason::ChildExited),
+            code: term
+                .command_ran
+                .then(|| term.status.unwrap_or(Exit::INTERNAL)),
+        }
+    }
+
+    /// The command itself, with the token in its environment.
+    fn start_command(&self, token: u64) -> std::io::Result<Child> {
+        let program = Program {
+            path: &self.program,
+            argv: &self.spec.command,
+        };
+        let child = process::spawn(program, &self.child_env(Some(token)), None)?;
+        if let Some(guard) = &self.guard {
+            guard.watch(Some(child.pgid));
+        }
+        debug!(token, pid = child.pid.as_raw(), "child started");
+        Ok(child)
+    }
+
+    /// `sh -c <claim command>`, with the command's environment.
+    fn start_claim(&self, token: u64) -> std::io::Result<Child> {
+        let (path, argv) = process::shell(self.spec.claim_cmd.as_deref().unwrap_or_default());
+        let child = process::spawn(
+            Program {
+                path: &path,
+                argv: &argv,
+            },
+            &self.child_env(Some(token)),
+            None,
+        )?;
+        if let Some(guard) = &self.guard {
+            guard.watch(Some(child.pgid));
+        }
+        debug!(token, pid = child.pid.as_raw(), "claim command started");
+        Ok(child)
+    }
+
+    fn child_env(&self, token: Option<u64>) -> ChildEnv<'_> {
+        ChildEnv {
+            token_env: &self.spec.token_env,
+            token,
+            key: &self.spec.key,
+            owner: &self.spec.owner,
+        }
     }
 
     /// Starts the end of a term: the yield signal goes to the child's group
     /// now, SIGKILL at `kill_at` (or the term's kill point, if sooner).
     fn begin_ending(&self, term: &mut Term, reason: EndReason, kill_at: Instant) {
         term.reason = Some(reason);
+        if term.claiming {
+            // A claim that has not settled by now is refused: no grace.
+            info!(token = term.token, reason = reason.as_str(), "term ending");
+            self.kill(term);
+            return;
+        }
         term.early_kill_at = Some(kill_at);
         let grace = term.kill_at().saturating_duration_since(Instant::now());
         info!(token = term.token, reason = reason.as_str(), kill_in = %show(grace), "term ending");
@@ -413,6 +642,36 @@ impl Supervisor {
         }
         if term.status.is_none() {
             return;
+        }
+        if term.claiming {
+            term.claiming = false;
+            if term.status == Some(0) && term.reason.is_none() {
+                info!(token = term.token, "claim accepted");
+                match self.start_command(term.token) {
+                    Ok(child) => {
+                        term.child = child;
+                        term.command_ran = true;
+                        term.status = None;
+                        return;
+                    }
+                    Err(error) => {
+                        warn!(token = term.token, error = %error, "cannot start the command");
+                        term.command_ran = true;
+                        term.status = Some(match error.kind() {
+                            std::io::ErrorKind::NotFound => Exit::NOT_FOUND,
+                            _ => Exit::NOT_EXECUTABLE,
+                        });
+                    }
+                }
+            } else if term.reason.is_none() {
+                term.reason = Some(EndReason::ClaimRefused);
+                info!(
+                    token = term.token,
+                    reason = EndReason::ClaimRefused.as_str(),
+                    code = term.status,
+                    "term ending"
+                );
+            }
         }
         let first_sight = !term.leftovers;
         term.leftovers = reaped.children_left;

@@ -36,13 +36,23 @@ fn examples() -> Vec<(String, String)> {
 
 /// Runs a README example with `leaderrun` on PATH (and `cargo run --release
 /// --` meaning the same binary), in a fresh state directory.
+///
+/// Examples run from the repository root, as a reader would. The seed run
+/// gets the test timing (2 s ttl, 20 ms campaign period) so that its
+/// fifty refused claims take a second, not half a minute.
 fn run(script: &str) -> (i32, String, String) {
     let sandbox = tempfile::tempdir().unwrap();
     let bin_dir = Path::new(common::BIN).parent().unwrap();
     let script = script.replace("cargo run --release --", "leaderrun");
-    let out = Command::new("sh")
+    let mut command = Command::new("sh");
+    if script.contains("examples/publisher/run.sh") {
+        command
+            .envs(common::fast_env())
+            .env("LEADERRUN_CAMPAIGN_EVERY", "20ms");
+    }
+    let out = command
         .args(["-c", &script])
-        .current_dir(sandbox.path())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env(
             "PATH",
             format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap()),
@@ -69,6 +79,7 @@ fn every_readme_example_runs_as_shown() {
         "token-env",
         "invariant",
         "graceful-stop",
+        "seed-run",
     ];
     assert_eq!(
         examples
@@ -114,6 +125,32 @@ fn every_readme_example_runs_as_shown() {
                 assert_eq!(code, 2, "{context}");
                 let shown = script.lines().find_map(|l| l.strip_prefix("# ")).unwrap();
                 assert_eq!(stderr.trim(), shown, "{context}");
+            }
+            "seed-run" => {
+                assert_eq!(code, 0, "{context}");
+                for backend in ["file", "redis"] {
+                    assert!(
+                        stdout.contains(&format!("== {backend} backend\n")),
+                        "{context}"
+                    );
+                }
+                assert_eq!(
+                    stdout.matches("pod-b took over with token 2").count(),
+                    2,
+                    "{context}"
+                );
+                assert_eq!(
+                    stdout.matches("the first term drew token 51").count(),
+                    2,
+                    "{context}"
+                );
+                assert_eq!(
+                    stdout
+                        .matches("refused up to token 50; token 51 published")
+                        .count(),
+                    2,
+                    "{context}"
+                );
             }
             "graceful-stop" => {
                 assert_eq!(code, 0, "{context}");

@@ -165,8 +165,6 @@ impl FileBackend {
     pub async fn release(&self, token: u64) -> Result<bool, Unreachable> {
         self.blocking(move |shared| shared.release(token)).await
     }
-
-    #[allow(dead_code)] // See Backend::advance_fence.
     pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
         self.blocking(move |shared| shared.advance_fence(floor))
             .await

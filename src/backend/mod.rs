@@ -79,6 +79,21 @@ pub struct Capabilities {
     pub fence_advance: bool,
 }
 
+impl Capabilities {
+    /// `--require-fence-advance`: refuse, at startup, a backend that cannot
+    /// issue tokens or move its counter up.
+    pub fn require_fence_advance(self, url: &BackendUrl) -> Result<(), ConfigError> {
+        let missing = match (self.tokens, self.fence_advance) {
+            (true, true) => return Ok(()),
+            (false, _) => "cannot issue fencing tokens",
+            (true, false) => "cannot move its token counter up",
+        };
+        Err(ConfigError::Capability(format!(
+            "--require-fence-advance: backend {url} {missing}; use a backend that can, or drop the flag"
+        )))
+    }
+}
+
 /// One of the backends of SPEC §6.
 #[derive(Clone)]
 pub struct Backend {
@@ -132,12 +147,10 @@ impl Backend {
             }
         };
         let backend = Backend { kind, call_timeout };
-        let caps = backend.capabilities();
-        if spec.require_fence_advance && !(caps.tokens && caps.fence_advance) {
-            return Err(ConfigError::Capability(format!(
-                "--require-fence-advance: backend {} cannot issue fencing tokens and move its counter up",
-                spec.backend
-            )));
+        if spec.require_fence_advance {
+            backend
+                .capabilities()
+                .require_fence_advance(&spec.backend)?;
         }
         Ok(backend)
     }
@@ -207,7 +220,6 @@ impl Backend {
     }
 
     /// Moves the token counter up to at least `floor`; returns the counter.
-    #[allow(dead_code)] // The fence-floor hook arrives with the fencing work.
     pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
         self.bounded(async {
             match &self.kind {
@@ -262,4 +274,40 @@ fn random_instance() -> String {
         bytes = (u64::from(std::process::id()) ^ now.as_nanos() as u64).to_ne_bytes();
     }
     format!("{:016x}", u64::from_ne_bytes(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn require_fence_advance_refuses_a_backend_without_tokens_or_advance() {
+        let url = BackendUrl::parse("file:/x").unwrap();
+        let full = Capabilities {
+            tokens: true,
+            fence_advance: true,
+        };
+        assert!(full.require_fence_advance(&url).is_ok());
+        let no_tokens = Capabilities {
+            tokens: false,
+            fence_advance: false,
+        };
+        let message = no_tokens
+            .require_fence_advance(&url)
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("cannot issue fencing tokens"), "{message}");
+        let no_advance = Capabilities {
+            tokens: true,
+            fence_advance: false,
+        };
+        let message = no_advance
+            .require_fence_advance(&url)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("cannot move its token counter up"),
+            "{message}"
+        );
+    }
 }

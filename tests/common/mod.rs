@@ -34,6 +34,20 @@ pub const FAST: [&str; 12] = [
     "300ms",
 ];
 
+/// FAST as environment variables (`LEADERRUN_TTL=2s`, …), for scripts that
+/// run leaderrun themselves.
+pub fn fast_env() -> Vec<(String, String)> {
+    FAST.chunks(2)
+        .map(|pair| {
+            let name = pair[0]
+                .trim_start_matches("--")
+                .replace('-', "_")
+                .to_uppercase();
+            (format!("LEADERRUN_{name}"), pair[1].to_owned())
+        })
+        .collect()
+}
+
 /// A private directory for one test, removed when the test ends.
 pub struct Sandbox {
     dir: tempfile::TempDir,
