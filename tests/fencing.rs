@@ -156,30 +156,24 @@ fn a_claim_refused_under_no_wait_gives_up_with_75() {
 #[test]
 fn a_floor_command_that_prints_garbage_or_fails_starts_nothing_and_says_why() {
     let sandbox = Sandbox::new();
-    let out = sandbox
-        .leaderrun("floor")
-        .args(["--no-wait", "--fence-floor-cmd", "echo fifty"])
-        .sh("touch ran")
-        .run();
-    assert_eq!(out.code, 75, "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains(r#"it printed \"fifty\", which is not a non-negative integer"#),
-        "{}",
-        out.stderr
-    );
-    let out = sandbox
-        .leaderrun("floor")
-        .args(["--no-wait", "--fence-floor-cmd", "echo 12; exit 3"])
-        .sh("touch ran")
-        .run();
-    assert_eq!(out.code, 75, "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains(r#"it exited with status 3 and printed \"12\""#),
-        "{}",
-        out.stderr
-    );
+    for (floor, says) in [
+        (
+            "echo fifty",
+            r#"it printed \"fifty\", which is not a non-negative integer"#,
+        ),
+        (
+            "echo 12; exit 3",
+            r#"it exited with status 3 and printed \"12\""#,
+        ),
+    ] {
+        let out = sandbox
+            .leaderrun("floor")
+            .args(["--no-wait", "--fence-floor-cmd", floor])
+            .sh("touch ran")
+            .run();
+        assert_eq!(out.code, 75, "{}", out.stderr);
+        assert!(out.stderr.contains(says), "{floor}: {}", out.stderr);
+    }
     assert!(!sandbox.path("ran").exists());
 
     // Waiting replicas keep trying, and start once the floor is readable.
