@@ -26,8 +26,15 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum SubcommandArgs {
-    /// Print the current holder of a lease, its token, the time left and the counter.
+    /// Print the current holder of a lease, its token, the time left, the counter and the candidates.
     Status(StatusArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff), e.g. `leaderrun man > leaderrun.1`.
+    Man,
 }
 
 /// Options shared by every subcommand: which lease, where, and how to log.
@@ -141,6 +148,10 @@ pub struct RunArgs {
     /// Shell command run after acquiring and before the command; a non-zero exit refuses the term.
     #[arg(long, env = "LEADERRUN_CLAIM_CMD", value_name = "CMD")]
     pub claim_cmd: Option<String>,
+
+    /// Serve /metrics, /leader (200 while leading) and /healthz on this address.
+    #[arg(long, env = "LEADERRUN_METRICS_ADDR", value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
 
     /// Refuse to start on a backend that cannot issue fencing tokens or move its counter up.
     #[arg(long, env = "LEADERRUN_REQUIRE_FENCE_ADVANCE")]

@@ -75,6 +75,8 @@ pub enum ConfigError {
     BackendUrl { url: String, why: String },
     #[error("backend {url} refused the credentials: {why}; check the user and password in the URL")]
     BackendAuth { url: String, why: String },
+    #[error("invalid --metrics-addr {address:?}: {why}")]
+    MetricsAddr { address: String, why: String },
     #[error("unsafe state directory {path}: {why}")]
     UnsafeStateDir { path: String, why: String },
     #[error("cannot use state directory {path}: {source}")]

@@ -8,6 +8,7 @@ mod backend;
 mod cli;
 mod error;
 mod log;
+mod metrics;
 mod process;
 mod signals;
 mod spec;
@@ -18,7 +19,7 @@ mod timeline;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use tracing::{error, warn};
 
 use crate::backend::Backend;
@@ -35,6 +36,24 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.subcommand {
         Some(SubcommandArgs::Status(args)) => status::run(args),
+        Some(SubcommandArgs::Completions { shell }) => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "leaderrun",
+                &mut std::io::stdout(),
+            );
+            Ok(Exit::Child(0))
+        }
+        Some(SubcommandArgs::Man) => {
+            match clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout()) {
+                // A reader that stopped early (`| head`) is not an error.
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    Err(Failure::Internal(e.into()))
+                }
+                _ => Ok(Exit::Child(0)),
+            }
+        }
         None => run(cli.run),
     };
     match result {
@@ -106,8 +125,13 @@ fn run(args: RunArgs) -> Result<Exit, Failure> {
         .context("cannot start the runtime")?;
     let exit = runtime.block_on(async {
         let signals = signals::Signals::register().context("cannot register signal handlers")?;
+        let metrics = metrics::Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
+        if let Some(address) = &spec.metrics_addr {
+            metrics::serve(address, metrics.clone())?;
+        }
         let backend = Backend::open(&spec).await?;
-        let supervisor = supervisor::Supervisor::new(spec, program, backend, signals, guard);
+        let supervisor =
+            supervisor::Supervisor::new(spec, program, backend, signals, guard, metrics);
         Ok::<_, Failure>(supervisor.run().await)
     });
     // A backend call abandoned at its timeout may still occupy a blocking

@@ -29,6 +29,7 @@ pub struct Spec {
     pub fence_floor_cmd: Option<String>,
     pub claim_cmd: Option<String>,
     pub require_fence_advance: bool,
+    pub metrics_addr: Option<String>,
     pub command: Vec<OsString>,
 }
 
@@ -81,6 +82,7 @@ impl Spec {
             fence_floor_cmd: args.fence_floor_cmd,
             claim_cmd: args.claim_cmd,
             require_fence_advance: args.require_fence_advance,
+            metrics_addr: args.metrics_addr,
             command: args.command,
         })
     }

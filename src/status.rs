@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use anyhow::Context as _;
 
-use crate::backend::{Backend, Observation};
+use crate::backend::{Backend, Observation, unix_ms};
 use crate::cli::StatusArgs;
 use crate::error::Exit;
 use crate::spec::{BackendUrl, parse_key};
@@ -45,7 +45,7 @@ pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
 }
 
 fn text(key: &str, observation: &Observation) -> String {
-    let mut out = format!("key:     {key}\n");
+    let mut out = format!("key:        {key}\n");
     match &observation.holder {
         Some(holder) => {
             let left = holder
@@ -53,34 +53,64 @@ fn text(key: &str, observation: &Observation) -> String {
                 .map_or("unknown".into(), |d| format!("{:.3}s", d.as_secs_f64()));
             let _ = write!(
                 out,
-                "holder:  {}\ntoken:   {}\nexpires: in {left}\n",
+                "holder:     {}\ntoken:      {}\nexpires:    in {left}\n",
                 holder.owner, holder.token
             );
         }
-        None => out.push_str("holder:  none (the lease is free)\n"),
+        None => out.push_str("holder:     none (the lease is free)\n"),
     }
-    let _ = writeln!(out, "counter: {}", observation.counter);
+    let _ = writeln!(out, "counter:    {}", observation.counter);
+    let _ = writeln!(out, "candidates: {}", observation.candidates.len());
+    let now = unix_ms();
+    let seconds = |ms: u64| format!("{:.1}s", now.saturating_sub(ms) as f64 / 1000.0);
+    for c in &observation.candidates {
+        let _ = writeln!(
+            out,
+            "  {}  host {}, pid {}, {}, up {}, seen {} ago",
+            c.owner,
+            c.host,
+            c.pid,
+            if c.leading { "leading" } else { "following" },
+            seconds(c.since_ms),
+            seconds(c.last_seen_ms),
+        );
+    }
     out
 }
 
 /// One JSON object; the field names are documented in the README and stable.
 fn json(key: &str, observation: &Observation) -> String {
     let quote = log::json_string;
-    match &observation.holder {
+    let holder = match &observation.holder {
         Some(holder) => format!(
-            "{{\"key\":{},\"held\":true,\"holder\":{},\"token\":{},\"expires_in_ms\":{},\"counter\":{}}}\n",
-            quote(key),
+            "\"held\":true,\"holder\":{},\"token\":{},\"expires_in_ms\":{}",
             quote(&holder.owner),
             holder.token,
             holder
                 .expires_in
                 .map_or("null".into(), |d| d.as_millis().to_string()),
-            observation.counter
         ),
-        None => format!(
-            "{{\"key\":{},\"held\":false,\"holder\":null,\"token\":null,\"expires_in_ms\":null,\"counter\":{}}}\n",
-            quote(key),
-            observation.counter
-        ),
-    }
+        None => "\"held\":false,\"holder\":null,\"token\":null,\"expires_in_ms\":null".into(),
+    };
+    let candidates: Vec<String> = observation
+        .candidates
+        .iter()
+        .map(|c| {
+            format!(
+                "{{\"owner\":{},\"host\":{},\"pid\":{},\"since_ms\":{},\"last_seen_ms\":{},\"leading\":{}}}",
+                quote(&c.owner),
+                quote(&c.host),
+                c.pid,
+                c.since_ms,
+                c.last_seen_ms,
+                c.leading
+            )
+        })
+        .collect();
+    format!(
+        "{{\"key\":{},{holder},\"counter\":{},\"candidates\":[{}]}}\n",
+        quote(key),
+        observation.counter,
+        candidates.join(",")
+    )
 }

@@ -11,6 +11,7 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -20,6 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::backend::{Attempt, Backend, RenewError, Unreachable};
 use crate::error::Exit;
+use crate::metrics::Metrics;
 use crate::process::{self, Child, ChildEnv, Guard, Program};
 use crate::signals::{SignalEvent, Signals};
 use crate::spec::{Spec, Wait};
@@ -61,6 +63,10 @@ pub struct Supervisor {
     /// A stop signal has been received: exit after the current term.
     stopping: bool,
     health: Health,
+    metrics: Arc<Metrics>,
+    /// When the wait that led to the current attempt ended (for the
+    /// handover figure).
+    woke_at: Instant,
 }
 
 enum Campaign {
@@ -139,6 +145,7 @@ impl Supervisor {
         backend: Backend,
         signals: Signals,
         guard: Option<Guard>,
+        metrics: Arc<Metrics>,
     ) -> Supervisor {
         Supervisor {
             spec,
@@ -147,11 +154,23 @@ impl Supervisor {
             signals,
             guard,
             stopping: false,
-            health: Health::default(),
+            health: Health::new(metrics.clone()),
+            metrics,
+            woke_at: Instant::now(),
         }
     }
 
     pub async fn run(mut self) -> Exit {
+        let exit = self.lifetime().await;
+        // The shutdown notice: a replica that exits gracefully leaves the
+        // candidate list at once (one that dies expires after ttl).
+        if let Err(error) = self.backend.withdraw().await {
+            debug!(error = %error, "cannot remove the candidate record; it expires after ttl");
+        }
+        exit
+    }
+
+    async fn lifetime(&mut self) -> Exit {
         info!(backend = %self.spec.backend, "campaign started");
         let mut not_before = None;
         loop {
@@ -193,13 +212,14 @@ impl Supervisor {
         let mut answered = false;
         let mut failures = 0;
         let mut held_off = None;
+        self.woke_at = Instant::now();
         // Release notices cannot cut the first wait short: the one to expect
         // then is this replica's own.
         let mut next: Option<(Instant, bool)> = not_before.map(|at| (at, false));
         loop {
             if let Some((at, notices)) = next {
                 match self.wait(at, give_up_at, notices).await {
-                    Wake::Attempt => {}
+                    Wake::Attempt => self.woke_at = Instant::now(),
                     Wake::Stopped => return Campaign::Stopped,
                     Wake::GaveUp => {
                         info!(wait = %show(self.spec.wait_duration()), "giving up (--wait)");
@@ -271,6 +291,7 @@ impl Supervisor {
     /// the --wait deadline, or a stop signal.
     async fn wait(&mut self, at: Instant, give_up_at: Option<Instant>, notices: bool) -> Wake {
         loop {
+            self.metrics.beat();
             tokio::select! {
                 biased;
                 event = self.signals.next() => match event {
@@ -296,6 +317,8 @@ impl Supervisor {
         if let Some(script) = self.spec.fence_floor_cmd.clone() {
             let observed = self.backend.observe().await?;
             if let Some(holder) = observed.holder {
+                // No acquire this time, so refresh the candidate record here.
+                self.backend.heartbeat().await?;
                 return Ok((Attempt::Held(holder), Instant::now()));
             }
             let floor = self.fence_floor(&script).await?;
@@ -335,6 +358,7 @@ impl Supervisor {
         let mut eof = false;
         let mut code = None;
         while code.is_none() || !eof {
+            self.metrics.beat();
             tokio::select! {
                 biased;
                 event = self.signals.next() => match event {
@@ -430,7 +454,11 @@ impl Supervisor {
         let mut renewal: Option<Renewal> = None;
         let mut renewal_failing = false;
 
+        if term.command_ran {
+            self.metrics.term_started(token, self.woke_at.elapsed());
+        }
         loop {
+            self.metrics.beat();
             let alive = term.alive();
             // After the command exited by itself, --hold-for keeps the lease
             // (renewed) until hold_until, but never past the point where a
@@ -510,6 +538,7 @@ impl Supervisor {
                             }
                         }
                         Err(RenewError::Unreachable(error)) => {
+                            self.metrics.renewal_failed();
                             if !renewal_failing {
                                 renewal_failing = true;
                                 let left = term.deadlines.yield_at.saturating_duration_since(Instant::now());
@@ -538,6 +567,8 @@ impl Supervisor {
         if !term.lost {
             self.release(token).await;
         }
+        self.metrics
+            .term_ended(term.reason.unwrap_or(EndReason::ChildExited).as_str());
         TermEnd {
             reason: term.reason.unwrap_or(EndReason::ChildExited),
             code: term
@@ -652,6 +683,8 @@ impl Supervisor {
                         term.child = child;
                         term.command_ran = true;
                         term.status = None;
+                        self.metrics
+                            .term_started(term.token, self.woke_at.elapsed());
                         return;
                     }
                     Err(error) => {
@@ -729,17 +762,27 @@ fn backoff(campaign_every: Duration, failures: u32) -> Duration {
 }
 
 /// Rate-limited reporting of "could not ask the backend".
-#[derive(Default)]
 struct Health {
     down_since: Option<Instant>,
     last_warning: Option<Instant>,
     failures: u64,
+    metrics: Arc<Metrics>,
 }
 
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
 impl Health {
+    fn new(metrics: Arc<Metrics>) -> Health {
+        Health {
+            down_since: None,
+            last_warning: None,
+            failures: 0,
+            metrics,
+        }
+    }
+
     fn unreachable(&mut self, error: &Unreachable) {
+        self.metrics.backend_error();
         let now = Instant::now();
         self.failures += 1;
         let since = *self.down_since.get_or_insert(now);

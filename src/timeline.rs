@@ -81,6 +81,16 @@ impl Timing {
         self.renew_every.min(Duration::from_secs(2))
     }
 
+    /// The longest the supervisor sleeps without waking: a follower's wait
+    /// (at most a campaign period, a 5 s backoff, or a hold-off of about a
+    /// ttl) or a hook's bound (ttl). For the health check.
+    pub fn longest_sleep(&self) -> Duration {
+        (self.ttl + Duration::from_secs(1))
+            .max(self.campaign_every)
+            .max(self.renew_every)
+            .max(Duration::from_secs(5))
+    }
+
     /// The deadlines of a term whose last successful acquire/renew was sent at
     /// `sent_at`.
     pub fn deadlines(&self, sent_at: Instant) -> Deadlines {

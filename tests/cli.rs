@@ -275,7 +275,7 @@ fn the_default_backend_lives_under_xdg_state_home() {
         .output()
         .unwrap();
     assert_eq!(status.status.code(), Some(3), "free after the run");
-    assert!(String::from_utf8_lossy(&status.stdout).contains("counter: 1"));
+    assert!(String::from_utf8_lossy(&status.stdout).contains("counter:    1"));
 }
 
 #[test]
@@ -382,7 +382,7 @@ fn status_reports_held_and_free() {
     assert_eq!(held.status.code(), Some(0));
     let text = String::from_utf8_lossy(&held.stdout);
     assert!(
-        text.contains("holder:  holder-1") && text.contains("token:   1"),
+        text.contains("holder:     holder-1") && text.contains("token:      1"),
         "{text}"
     );
     let held: serde_json::Value = serde_json::from_slice(&status(true).stdout).unwrap();

@@ -400,10 +400,9 @@ fn block_the_backend(sandbox: &Sandbox, key: &str) -> std::process::Child {
 fn hold_the_mutex(sandbox: &Sandbox) -> std::process::Child {
     let file = std::fs::read_dir(sandbox.state_dir())
         .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "lease"))
+        .expect("a lease file");
     let _ = std::fs::remove_file(sandbox.path("blocked"));
     let script = format!(
         "import fcntl, os, time\nfd = os.open({:?}, os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX, 1, 1 << 40)\nopen('blocked', 'w').close()\ntime.sleep(60)\n",

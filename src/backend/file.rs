@@ -49,7 +49,7 @@ use nix::sys::stat::Mode;
 use tokio::io::unix::AsyncFd;
 use tracing::warn;
 
-use super::{Attempt, Holder, Observation, RenewError, Unreachable};
+use super::{Attempt, Candidate, Holder, Identity, Observation, RenewError, Unreachable, unix_ms};
 use crate::error::ConfigError;
 
 /// Bytes per record slot; a record is at most about 600 bytes.
@@ -89,9 +89,7 @@ struct Shared {
 }
 
 struct Me {
-    owner: String,
-    /// Tells this process apart from an earlier one with the same owner name.
-    instance: String,
+    id: Identity,
     ttl: Duration,
     /// How long a read-modify-write waits for another process's mutex: the
     /// call's own bound, so abandoned calls do not pile up behind a mutex.
@@ -102,7 +100,7 @@ impl FileBackend {
     pub fn open(
         dir: &Path,
         key: &str,
-        owner: &str,
+        id: Identity,
         ttl: Duration,
         patience: Duration,
     ) -> Result<FileBackend, ConfigError> {
@@ -116,12 +114,7 @@ impl FileBackend {
             dir_path: dir.to_owned(),
             name: file_name(key),
             key: key.to_owned(),
-            me: Some(Me {
-                owner: owner.to_owned(),
-                instance: super::random_instance(),
-                ttl,
-                patience,
-            }),
+            me: Some(Me { id, ttl, patience }),
             boot_id: boot_id(),
             inotify: OnceLock::new(),
             file: Mutex::new(None),
@@ -151,19 +144,49 @@ impl FileBackend {
         })
     }
 
+    // Every call that a replica makes as it campaigns or leads also
+    // refreshes its candidate record, so status lists it without a call of
+    // its own.
+
     pub async fn acquire(&self) -> Result<Attempt, Unreachable> {
-        self.blocking(Shared::acquire).await
+        self.blocking(|shared| {
+            let attempt = shared.acquire()?;
+            shared.beat(matches!(attempt, Attempt::Acquired { .. }));
+            Ok(attempt)
+        })
+        .await
     }
 
     pub async fn renew(&self, token: u64) -> Result<(), RenewError> {
         let shared = self.shared.clone();
-        tokio::task::spawn_blocking(move || shared.renew(token))
-            .await
-            .unwrap_or_else(|e| Err(Unreachable::Corrupt(e.to_string()).into()))
+        tokio::task::spawn_blocking(move || {
+            let renewed = shared.renew(token);
+            shared.beat(renewed.is_ok());
+            renewed
+        })
+        .await
+        .unwrap_or_else(|e| Err(Unreachable::Corrupt(e.to_string()).into()))
     }
 
     pub async fn release(&self, token: u64) -> Result<bool, Unreachable> {
-        self.blocking(move |shared| shared.release(token)).await
+        self.blocking(move |shared| {
+            let released = shared.release(token)?;
+            shared.beat(false);
+            Ok(released)
+        })
+        .await
+    }
+
+    pub async fn heartbeat(&self) -> Result<(), Unreachable> {
+        self.blocking(|shared| {
+            shared.beat(false);
+            Ok(())
+        })
+        .await
+    }
+
+    pub async fn withdraw(&self) -> Result<(), Unreachable> {
+        self.blocking(Shared::withdraw).await
     }
     pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
         self.blocking(move |shared| shared.advance_fence(floor))
@@ -248,20 +271,23 @@ impl Shared {
             let now = boottime_ns();
             if let Some(holder) = &record.holder {
                 let live = holder.boot == self.boot_id && now < holder.expires;
-                if holder.instance == me.instance && live {
+                if holder.instance == me.id.instance && live {
                     // A repeat of an attempt whose reply we never saw.
                     let token = holder.token;
                     lease.write_holder(&mut record, self, token, now)?;
                     return Ok(Attempt::Acquired { token });
                 }
-                if holder.instance != me.instance && live && lease.holds_liveness(holder.token)? {
+                if holder.instance != me.id.instance
+                    && live
+                    && lease.holds_liveness(holder.token)?
+                {
                     return Ok(Attempt::Held(Holder {
                         owner: holder.owner.clone(),
                         token: holder.token,
                         expires_in: Some(Duration::from_nanos(holder.expires - now)),
                     }));
                 }
-                if holder.instance == me.instance {
+                if holder.instance == me.id.instance {
                     lease.unlock_liveness(holder.token);
                 }
             }
@@ -289,7 +315,7 @@ impl Shared {
             let now = boottime_ns();
             match &record.holder {
                 Some(h)
-                    if h.instance == me.instance
+                    if h.instance == me.id.instance
                         && h.token == token
                         && h.boot == self.boot_id
                         && now < h.expires =>
@@ -301,7 +327,7 @@ impl Shared {
                 other => Ok(Some(
                     other
                         .clone()
-                        .filter(|h| h.instance != me.instance)
+                        .filter(|h| h.instance != me.id.instance)
                         .map(|h| Holder {
                             owner: h.owner,
                             token: h.token,
@@ -323,7 +349,7 @@ impl Shared {
             let ours = record
                 .holder
                 .as_ref()
-                .is_some_and(|h| h.instance == me.instance && h.token == token);
+                .is_some_and(|h| h.instance == me.id.instance && h.token == token);
             if ours {
                 record.holder = None;
                 // The write is also what wakes the followers.
@@ -354,6 +380,7 @@ impl Shared {
         let free = Observation {
             holder: None,
             counter: 0,
+            candidates: Vec::new(),
         };
         let Some(dir) = &self.dir else {
             return Ok(free);
@@ -391,7 +418,97 @@ impl Shared {
         Ok(Observation {
             holder,
             counter: record.counter,
+            candidates: self.candidates(),
         })
+    }
+
+    /// `<lease name>.<instance>.candidate`: one heartbeat file per replica.
+    fn candidate_name(&self, instance: &str) -> String {
+        let stem = self.name.strip_suffix(".lease").unwrap_or(&self.name);
+        format!("{stem}.{instance}.candidate")
+    }
+
+    /// Writes this replica's candidate record; best effort (a replica that
+    /// cannot write it still leads and follows, it is just not listed).
+    fn beat(&self, leading: bool) {
+        let Some(me) = &self.me else { return };
+        let now = boottime_ns();
+        let line = seal(format!(
+            "{CANDIDATE} owner={} host={} pid={} since_ms={} seen_ms={} leading={} boot={} expires={}",
+            me.id.owner,
+            me.id.host,
+            me.id.pid,
+            me.id.since_ms,
+            unix_ms(),
+            u8::from(leading),
+            self.boot_id,
+            now + me.ttl.as_nanos() as u64,
+        ));
+        let written = nix::fcntl::openat(
+            self.dir(),
+            self.candidate_name(&me.id.instance).as_str(),
+            OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+            Mode::from_bits_truncate(0o600),
+        )
+        .map_err(io::Error::from)
+        .and_then(|fd| {
+            let mut slot = line.into_bytes();
+            slot.resize(SLOT, 0);
+            File::from(fd).write_all_at(&slot, 0)
+        });
+        if let Err(error) = written {
+            tracing::debug!(error = %error, "cannot write the candidate record");
+        }
+    }
+
+    /// Removes this replica's candidate record, and any that expired.
+    fn withdraw(&self) -> Result<(), Unreachable> {
+        let Some(me) = &self.me else { return Ok(()) };
+        let mut names: Vec<String> = self
+            .candidate_files()
+            .into_iter()
+            .filter(|(_, c)| c.is_none())
+            .map(|(name, _)| name)
+            .collect();
+        names.push(self.candidate_name(&me.id.instance));
+        for name in names {
+            let _ = nix::unistd::unlinkat(
+                self.dir(),
+                name.as_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+        }
+        Ok(())
+    }
+
+    /// The live candidates of this key.
+    fn candidates(&self) -> Vec<Candidate> {
+        let mut live: Vec<Candidate> = self
+            .candidate_files()
+            .into_iter()
+            .filter_map(|(_, c)| c)
+            .collect();
+        live.sort_by(|a, b| a.since_ms.cmp(&b.since_ms).then(a.pid.cmp(&b.pid)));
+        live
+    }
+
+    /// Every candidate file of this key, with its record if it is live.
+    fn candidate_files(&self) -> Vec<(String, Option<Candidate>)> {
+        let stem = self.name.strip_suffix(".lease").unwrap_or(&self.name);
+        let Ok(entries) = std::fs::read_dir(&self.dir_path) else {
+            return Vec::new();
+        };
+        let now = boottime_ns();
+        entries
+            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+            .filter(|name| name.starts_with(&format!("{stem}.")) && name.ends_with(".candidate"))
+            .map(|name| {
+                let record = std::fs::read(self.dir_path.join(&name))
+                    .ok()
+                    .and_then(|bytes| parse_candidate(&bytes, &self.boot_id, now));
+                (name, record)
+            })
+            .collect()
     }
 
     /// Runs `op` on the lease file with the mutex byte held, after checking
@@ -563,8 +680,8 @@ impl Locked<'_> {
     ) -> Result<(), Unreachable> {
         let me = shared.me();
         record.holder = Some(HolderRecord {
-            owner: me.owner.clone(),
-            instance: me.instance.clone(),
+            owner: me.id.owner.clone(),
+            instance: me.id.instance.clone(),
             token,
             boot: shared.boot_id.clone(),
             // `now` was read after the caller's send instant, so this expiry is
@@ -792,6 +909,48 @@ struct HolderRecord {
 }
 
 const MAGIC: &str = "leaderrun-lease/1";
+const CANDIDATE: &str = "leaderrun-candidate/1";
+
+/// A record line: `body sum=<checksum of body>` and a newline.
+fn seal(body: String) -> String {
+    let sum = fnv1a(body.as_bytes());
+    format!("{body} sum={sum:016x}\n")
+}
+
+/// The body of a sealed line at the start of `bytes`, if its checksum holds.
+fn unseal(bytes: &[u8]) -> Option<&str> {
+    let end = bytes.iter().position(|b| *b == b'\n')?;
+    let line = std::str::from_utf8(&bytes[..end]).ok()?;
+    let (body, sum) = line.rsplit_once(" sum=")?;
+    (u64::from_str_radix(sum, 16).ok()? == fnv1a(body.as_bytes())).then_some(body)
+}
+
+/// The `name=value` fields of a body after its magic word.
+fn fields<'a>(body: &'a str, magic: &str) -> Option<Vec<(&'a str, &'a str)>> {
+    let mut words = body.split(' ');
+    if words.next()? != magic {
+        return None;
+    }
+    words.map(|w| w.split_once('=')).collect()
+}
+
+/// A live candidate record (same boot, not expired), or None.
+fn parse_candidate(bytes: &[u8], boot_id: &str, now: u64) -> Option<Candidate> {
+    let fields = fields(unseal(bytes)?, CANDIDATE)?;
+    let get = |name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+    let number = |name: &str| get(name)?.parse::<u64>().ok();
+    if get("boot")? != boot_id || number("expires")? <= now {
+        return None;
+    }
+    Some(Candidate {
+        owner: get("owner")?.to_owned(),
+        host: get("host")?.to_owned(),
+        pid: number("pid")? as u32,
+        since_ms: number("since_ms")?,
+        last_seen_ms: number("seen_ms")?,
+        leading: get("leading")? == "1",
+    })
+}
 
 impl Record {
     fn new(key: &str) -> Record {
@@ -818,22 +977,11 @@ impl Record {
                 h.owner, h.instance, h.token, h.boot, h.expires
             );
         }
-        let sum = fnv1a(line.as_bytes());
-        format!("{line} sum={sum:016x}\n")
+        seal(line)
     }
 
     fn decode(slot: &[u8]) -> Option<Record> {
-        let end = slot.iter().position(|b| *b == b'\n')?;
-        let line = std::str::from_utf8(&slot[..end]).ok()?;
-        let (body, sum) = line.rsplit_once(" sum=")?;
-        if u64::from_str_radix(sum, 16).ok()? != fnv1a(body.as_bytes()) {
-            return None;
-        }
-        let mut fields = body.split(' ');
-        if fields.next()? != MAGIC {
-            return None;
-        }
-        let fields: Vec<(&str, &str)> = fields.map(|f| f.split_once('=')).collect::<Option<_>>()?;
+        let fields = fields(unseal(slot)?, MAGIC)?;
         let get = |name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
         let number = |name: &str| get(name)?.parse::<u64>().ok();
         let holder = match get("owner") {
@@ -1016,7 +1164,7 @@ mod tests {
             FileBackend::open(
                 dir,
                 key,
-                owner,
+                Identity::new(owner),
                 Duration::from_secs(6),
                 Duration::from_secs(2),
             )

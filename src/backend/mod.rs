@@ -38,11 +38,68 @@ pub struct Holder {
     pub expires_in: Option<Duration>,
 }
 
-/// What `observe` sees: the holder if any, and the token counter.
+/// What `observe` sees: the holder if any, the token counter, and every
+/// running replica of the key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Observation {
     pub holder: Option<Holder>,
     pub counter: u64,
+    pub candidates: Vec<Candidate>,
+}
+
+/// A running leaderrun for a key, from the heartbeat record it refreshes on
+/// every attempt (following) and renewal (leading). A graceful exit removes
+/// it; a replica that dies stops refreshing it and it expires after ttl.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub owner: String,
+    pub host: String,
+    pub pid: u32,
+    /// Unix time (ms) the replica started.
+    pub since_ms: u64,
+    /// Unix time (ms) of its last heartbeat.
+    pub last_seen_ms: u64,
+    pub leading: bool,
+}
+
+/// Who this replica is, in lease and candidate records.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub owner: String,
+    /// Tells this process apart from an earlier one with the same owner.
+    pub instance: String,
+    pub host: String,
+    pub pid: u32,
+    pub since_ms: u64,
+}
+
+impl Identity {
+    pub fn new(owner: &str) -> Identity {
+        let host = nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .filter(|h| !h.is_empty() && !h.contains(char::is_whitespace))
+            .unwrap_or_else(|| "-".into());
+        Identity {
+            owner: owner.to_owned(),
+            instance: random_instance(),
+            host,
+            pid: std::process::id(),
+            since_ms: unix_ms(),
+        }
+    }
+
+    /// An identity for `leaderrun status`, which writes nothing.
+    fn observer() -> Identity {
+        Identity::new("status")
+    }
+}
+
+/// Milliseconds since the Unix epoch (wall clock: for display only).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The backend could not be asked. Never means "someone else holds it".
@@ -114,11 +171,12 @@ impl Backend {
     /// be reached is not a configuration problem: campaigning retries it.
     pub async fn open(spec: &Spec) -> Result<Backend, ConfigError> {
         let call_timeout = spec.timing.call_timeout();
+        let me = Identity::new(&spec.owner);
         let kind = match &spec.backend {
             BackendUrl::File { dir } => Kind::File(file::FileBackend::open(
                 dir,
                 &spec.key,
-                &spec.owner,
+                me,
                 spec.timing.ttl,
                 call_timeout,
             )?),
@@ -127,7 +185,7 @@ impl Backend {
                     url,
                     spec.tls_ca_file.as_ref(),
                     &spec.key,
-                    &spec.owner,
+                    me,
                     spec.timing.ttl,
                     call_timeout,
                 )?;
@@ -168,7 +226,7 @@ impl Backend {
                 url,
                 tls_ca_file,
                 key,
-                "status",
+                Identity::observer(),
                 Duration::from_secs(1),
                 call_timeout,
             )?),
@@ -225,6 +283,30 @@ impl Backend {
             match &self.kind {
                 Kind::File(file) => file.advance_fence(floor).await,
                 Kind::Redis(redis) => redis.advance_fence(floor).await,
+            }
+        })
+        .await
+    }
+
+    /// Refreshes this replica's candidate record as a follower, for an
+    /// attempt that did not reach `acquire` (which refreshes it itself).
+    pub async fn heartbeat(&self) -> Result<(), Unreachable> {
+        self.bounded(async {
+            match &self.kind {
+                Kind::File(file) => file.heartbeat().await,
+                Kind::Redis(redis) => redis.heartbeat().await,
+            }
+        })
+        .await
+    }
+
+    /// Removes this replica's candidate record: the shutdown notice of a
+    /// graceful exit.
+    pub async fn withdraw(&self) -> Result<(), Unreachable> {
+        self.bounded(async {
+            match &self.kind {
+                Kind::File(file) => file.withdraw().await,
+                Kind::Redis(redis) => redis.withdraw().await,
             }
         })
         .await

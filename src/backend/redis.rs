@@ -33,7 +33,7 @@ use redis::{
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use super::{Attempt, Holder, Observation, RenewError, Unreachable};
+use super::{Attempt, Candidate, Holder, Identity, Observation, RenewError, Unreachable};
 use crate::error::ConfigError;
 use crate::spec::{RedisAddress, RedisUrl};
 
@@ -43,18 +43,34 @@ pub const MAX_TOKEN: u64 = (1 << 53) - 1;
 /// died without a reset is noticed.
 const PING_EVERY: Duration = Duration::from_secs(5);
 
+/// Shared by the scripts that refresh the caller's candidate record in the
+/// hash `leaderrun:{KEY}:candidates` (field: instance; value: "<expires ms>
+/// <seen ms> <leading 0|1> <since ms> <pid> <host> <owner>", server time).
+const BEAT: &str = r#"
+local function beat(candidates, instance, ttl_ms, leading, record)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('HSET', candidates, instance,
+    string.format('%d %d %d %s', now + tonumber(ttl_ms), now, leading, record))
+end
+"#;
+
 const ACQUIRE: &str = r#"
--- KEYS: lease, counter. ARGV: instance, owner, ttl_ms, highest token seen,
--- run id the caller knows ("" if none), ttl in whole seconds.
+-- KEYS: lease, counter, candidates. ARGV: instance, owner, ttl_ms, highest
+-- token seen, run id the caller knows ("" if none), ttl in whole seconds,
+-- candidate record.
 local current = redis.call('GET', KEYS[1])
 if current then
   local token, instance, owner = string.match(current, '^(%d+) (%S+) (.*)$')
   if instance == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    beat(KEYS[3], ARGV[1], ARGV[3], 1, ARGV[7])
     return {1, tonumber(token), '', tonumber(ARGV[3])}
   end
+  beat(KEYS[3], ARGV[1], ARGV[3], 0, ARGV[7])
   return {0, tonumber(token), owner, redis.call('PTTL', KEYS[1])}
 end
+beat(KEYS[3], ARGV[1], ARGV[3], 0, ARGV[7])
 -- Free: only now does the server's history matter.
 local info = redis.call('INFO', 'server')
 local run_id = string.match(info, 'run_id:(%w+)')
@@ -71,25 +87,30 @@ if counter < tonumber(ARGV[4]) then
 end
 local token = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
+beat(KEYS[3], ARGV[1], ARGV[3], 1, ARGV[7])
 return {1, token, run_id, tonumber(ARGV[3])}
 "#;
 
 const RENEW: &str = r#"
--- KEYS: lease. ARGV: instance, token, ttl_ms.
+-- KEYS: lease, candidates. ARGV: instance, token, ttl_ms, candidate record.
 local current = redis.call('GET', KEYS[1])
 if not current then
+  beat(KEYS[2], ARGV[1], ARGV[3], 0, ARGV[4])
   return {0, 0, ''}
 end
 local token, instance, owner = string.match(current, '^(%d+) (%S+) (.*)$')
 if instance == ARGV[1] and token == ARGV[2] then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  beat(KEYS[2], ARGV[1], ARGV[3], 1, ARGV[4])
   return {1, 0, ''}
 end
+beat(KEYS[2], ARGV[1], ARGV[3], 0, ARGV[4])
 return {0, tonumber(token), owner}
 "#;
 
 const RELEASE: &str = r#"
--- KEYS: lease. ARGV: instance, token, channel.
+-- KEYS: lease, candidates. ARGV: instance, token, channel, ttl_ms, record.
+beat(KEYS[2], ARGV[1], ARGV[4], 0, ARGV[5])
 local current = redis.call('GET', KEYS[1])
 if current then
   local token, instance = string.match(current, '^(%d+) (%S+)')
@@ -102,6 +123,12 @@ end
 return 0
 "#;
 
+const HEARTBEAT: &str = r#"
+-- KEYS: candidates. ARGV: instance, ttl_ms, record.
+beat(KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3])
+return 1
+"#;
+
 const ADVANCE: &str = r#"
 -- KEYS: counter. ARGV: floor.
 local counter = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -112,10 +139,36 @@ end
 return counter
 "#;
 
+/// Lists the live candidates and drops the expired ones.
+const LIVE: &str = r#"
+local function live(candidates)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local all = redis.call('HGETALL', candidates)
+  local found = {}
+  for i = 1, #all, 2 do
+    local expires = tonumber(string.match(all[i + 1], '^(%d+)'))
+    if expires and expires > now then
+      table.insert(found, all[i + 1])
+    else
+      redis.call('HDEL', candidates, all[i])
+    end
+  end
+  return found
+end
+"#;
+
 const OBSERVE: &str = r#"
--- KEYS: lease, counter.
+-- KEYS: lease, counter, candidates.
 local current = redis.call('GET', KEYS[1]) or ''
-return {current, redis.call('PTTL', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0')}
+return {current, redis.call('PTTL', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'), live(KEYS[3])}
+"#;
+
+const WITHDRAW: &str = r#"
+-- KEYS: candidates. ARGV: instance.
+redis.call('HDEL', KEYS[1], ARGV[1])
+live(KEYS[1])
+return 1
 "#;
 
 #[derive(Clone)]
@@ -128,9 +181,11 @@ struct Inner {
     config: AsyncConnectionConfig,
     lease_key: String,
     counter_key: String,
+    candidates_key: String,
     channel: String,
-    instance: String,
-    owner: String,
+    id: Identity,
+    /// "<since ms> <pid> <host> <owner>": this replica's candidate record.
+    record: String,
     ttl: Duration,
     call_timeout: Duration,
     /// The command connection, reopened after an I/O error or a timeout.
@@ -161,8 +216,10 @@ struct Scripts {
     acquire: Script,
     renew: Script,
     release: Script,
+    heartbeat: Script,
     advance: Script,
     observe: Script,
+    withdraw: Script,
 }
 
 impl RedisBackend {
@@ -171,7 +228,7 @@ impl RedisBackend {
         url: &RedisUrl,
         tls_ca_file: Option<&PathBuf>,
         key: &str,
-        owner: &str,
+        id: Identity,
         ttl: Duration,
         call_timeout: Duration,
     ) -> Result<RedisBackend, ConfigError> {
@@ -185,9 +242,10 @@ impl RedisBackend {
                     .set_response_timeout(Some(call_timeout)),
                 lease_key: format!("{prefix}:lease"),
                 counter_key: format!("{prefix}:counter"),
+                candidates_key: format!("{prefix}:candidates"),
                 channel: format!("{prefix}:released"),
-                instance: super::random_instance(),
-                owner: owner.to_owned(),
+                record: format!("{} {} {} {}", id.since_ms, id.pid, id.host, id.owner),
+                id,
                 ttl,
                 call_timeout,
                 commands: Mutex::new(None),
@@ -195,11 +253,13 @@ impl RedisBackend {
                 highest_seen: AtomicU64::new(0),
                 server: std::sync::Mutex::new(ServerView::default()),
                 scripts: Scripts {
-                    acquire: Script::new(ACQUIRE),
-                    renew: Script::new(RENEW),
-                    release: Script::new(RELEASE),
+                    acquire: Script::new(&[BEAT, ACQUIRE].concat()),
+                    renew: Script::new(&[BEAT, RENEW].concat()),
+                    release: Script::new(&[BEAT, RELEASE].concat()),
+                    heartbeat: Script::new(&[BEAT, HEARTBEAT].concat()),
                     advance: Script::new(ADVANCE),
-                    observe: Script::new(OBSERVE),
+                    observe: Script::new(&[LIVE, OBSERVE].concat()),
+                    withdraw: Script::new(&[LIVE, WITHDRAW].concat()),
                 },
             }),
         })
@@ -243,12 +303,14 @@ impl RedisBackend {
                     .acquire
                     .key(&inner.lease_key)
                     .key(&inner.counter_key)
-                    .arg(&inner.instance)
-                    .arg(&inner.owner)
+                    .key(&inner.candidates_key)
+                    .arg(&inner.id.instance)
+                    .arg(&inner.id.owner)
                     .arg(ttl_ms)
                     .arg(inner.highest_seen.load(Ordering::SeqCst))
                     .arg(&known_run_id)
                     .arg(ttl_secs)
+                    .arg(&inner.record)
                     .invoke_async(&mut conn)
                     .await
             })
@@ -301,9 +363,11 @@ impl RedisBackend {
                     .scripts
                     .renew
                     .key(&inner.lease_key)
-                    .arg(&inner.instance)
+                    .key(&inner.candidates_key)
+                    .arg(&inner.id.instance)
                     .arg(token)
                     .arg(ttl_ms)
+                    .arg(&inner.record)
                     .invoke_async(&mut conn)
                     .await
             })
@@ -321,20 +385,59 @@ impl RedisBackend {
 
     pub async fn release(&self, token: u64) -> Result<bool, Unreachable> {
         let inner = &self.inner;
+        let ttl_ms = inner.ttl.as_millis() as u64;
         let released: i64 = self
             .call(|mut conn| async move {
                 inner
                     .scripts
                     .release
                     .key(&inner.lease_key)
-                    .arg(&inner.instance)
+                    .key(&inner.candidates_key)
+                    .arg(&inner.id.instance)
                     .arg(token)
                     .arg(&inner.channel)
+                    .arg(ttl_ms)
+                    .arg(&inner.record)
                     .invoke_async(&mut conn)
                     .await
             })
             .await?;
         Ok(released == 1)
+    }
+
+    pub async fn heartbeat(&self) -> Result<(), Unreachable> {
+        let inner = &self.inner;
+        let ttl_ms = inner.ttl.as_millis() as u64;
+        let _: i64 = self
+            .call(|mut conn| async move {
+                inner
+                    .scripts
+                    .heartbeat
+                    .key(&inner.candidates_key)
+                    .arg(&inner.id.instance)
+                    .arg(ttl_ms)
+                    .arg(&inner.record)
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(())
+    }
+
+    pub async fn withdraw(&self) -> Result<(), Unreachable> {
+        let inner = &self.inner;
+        let _: i64 = self
+            .call(|mut conn| async move {
+                inner
+                    .scripts
+                    .withdraw
+                    .key(&inner.candidates_key)
+                    .arg(&inner.id.instance)
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(())
     }
 
     pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
@@ -361,13 +464,14 @@ impl RedisBackend {
 
     pub async fn observe(&self) -> Result<Observation, Unreachable> {
         let inner = &self.inner;
-        let (value, pttl, counter): (String, i64, u64) = self
+        let (value, pttl, counter, candidates): (String, i64, u64, Vec<String>) = self
             .call(|mut conn| async move {
                 inner
                     .scripts
                     .observe
                     .key(&inner.lease_key)
                     .key(&inner.counter_key)
+                    .key(&inner.candidates_key)
                     .invoke_async(&mut conn)
                     .await
             })
@@ -377,7 +481,16 @@ impl RedisBackend {
             token,
             expires_in: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
         });
-        Ok(Observation { holder, counter })
+        let mut candidates: Vec<Candidate> = candidates
+            .iter()
+            .filter_map(|c| parse_candidate(c))
+            .collect();
+        candidates.sort_by(|a, b| a.since_ms.cmp(&b.since_ms).then(a.pid.cmp(&b.pid)));
+        Ok(Observation {
+            holder,
+            counter,
+            candidates,
+        })
     }
 
     /// Waits for a release notice on the lease's channel. The subscription
@@ -512,6 +625,22 @@ impl Failure {
     }
 }
 
+/// A candidate value: "<expires> <seen> <leading> <since> <pid> <host> <owner>".
+fn parse_candidate(value: &str) -> Option<Candidate> {
+    let mut parts = value.splitn(7, ' ');
+    let _expires = parts.next()?;
+    let last_seen_ms = parts.next()?.parse().ok()?;
+    let leading = parts.next()? == "1";
+    Some(Candidate {
+        since_ms: parts.next()?.parse().ok()?,
+        pid: parts.next()?.parse().ok()?,
+        host: parts.next()?.to_owned(),
+        owner: parts.next()?.to_owned(),
+        last_seen_ms,
+        leading,
+    })
+}
+
 /// `(token, owner)` of a lease value `"<token> <instance> <owner>"`.
 fn parse_lease(value: &str) -> Option<(u64, String)> {
     let mut parts = value.splitn(3, ' ');
@@ -580,6 +709,23 @@ fn client(url: &RedisUrl, tls_ca_file: Option<&PathBuf>) -> Result<Client, Confi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn candidate_values_parse() {
+        let candidate = parse_candidate("9 8 1 7 42 host-a owner:1").unwrap();
+        assert_eq!(
+            candidate,
+            Candidate {
+                owner: "owner:1".into(),
+                host: "host-a".into(),
+                pid: 42,
+                since_ms: 7,
+                last_seen_ms: 8,
+                leading: true
+            }
+        );
+        assert_eq!(parse_candidate("9 8 1"), None);
+    }
 
     #[test]
     fn lease_values_parse() {
