@@ -1,0 +1,696 @@
+//! The chaos suite: three replicas of the seed's publisher write into a
+//! fenced SQLite store while a seeded schedule of faults hits the leader, the
+//! backend and the network. Afterwards it prints and asserts:
+//!
+//! - zero stale writes: the store never accepted a token lower than one it
+//!   had already accepted;
+//! - children of different replicas ran at the same time only while a
+//!   supervisor was paused or partitioned, and then the store refused the old
+//!   child's writes (the total overlap and its causes are printed);
+//! - no process started by any term is alive at the end;
+//! - availability: the share of time the publisher was served (> 70%).
+//!
+//! `CHAOS_SECONDS` (default 40: a round of every fault on Redis, and more on
+//! the file backend) sets how long faults are injected and
+//! `CHAOS_SEED` the schedule; a failing run prints its seed. Replicas that
+//! exit are restarted like containers.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::redis_server::RedisServer;
+use common::{BIN, FAST, wait_until};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// The test timing: ttl 2 s, so a supervisor paused for 3 s loses its lease.
+const TTL: Duration = Duration::from_secs(2);
+const REPLICAS: usize = 3;
+
+/// xorshift64*: a tiny seeded generator, so a schedule can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.below(to - from))
+    }
+}
+
+/// Wall-clock nanoseconds, the clock the publisher's `date +%s%N` uses.
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// A TCP proxy in front of Redis for one replica: it can drop every
+/// connection, or black-hole the traffic (stop forwarding, keep sockets open).
+struct Proxy {
+    port: u16,
+    black_hole: Arc<AtomicBool>,
+    connections: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(target: u16) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let black_hole = Arc::new(AtomicBool::new(false));
+        let connections: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (hole, conns) = (black_hole.clone(), connections.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else {
+                    continue;
+                };
+                let mut registry = conns.lock().unwrap();
+                registry.push(client.try_clone().unwrap());
+                registry.push(server.try_clone().unwrap());
+                for (from, to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    let hole = hole.clone();
+                    std::thread::spawn(move || pump(from, to, &hole));
+                }
+            }
+        });
+        Proxy {
+            port,
+            black_hole,
+            connections,
+        }
+    }
+
+    fn drop_connections(&self) {
+        for stream in self.connections.lock().unwrap().drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream, black_hole: &AtomicBool) {
+    let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
+    let mut buf = [0u8; 16384];
+    loop {
+        if black_hole.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
+/// Three replicas, each restarted like a container when it exits.
+struct Fleet {
+    slots: Arc<Mutex<Vec<Option<Child>>>>,
+    stopping: Arc<AtomicBool>,
+    restarts: Arc<Mutex<u32>>,
+}
+
+impl Fleet {
+    fn start(spawn: Arc<dyn Fn(usize) -> Child + Send + Sync>) -> Fleet {
+        let slots: Arc<Mutex<Vec<Option<Child>>>> =
+            Arc::new(Mutex::new((0..REPLICAS).map(|i| Some(spawn(i))).collect()));
+        let stopping = Arc::new(AtomicBool::new(false));
+        let restarts = Arc::new(Mutex::new(0));
+        let (s, stop, count) = (slots.clone(), stopping.clone(), restarts.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(300));
+                let mut slots = s.lock().unwrap();
+                for (i, slot) in slots.iter_mut().enumerate() {
+                    let exited = slot
+                        .as_mut()
+                        .is_none_or(|c| c.try_wait().unwrap().is_some());
+                    if exited && !stop.load(Ordering::SeqCst) {
+                        *slot = Some(spawn(i));
+                        *count.lock().unwrap() += 1;
+                    }
+                }
+            }
+        });
+        Fleet {
+            slots,
+            stopping,
+            restarts,
+        }
+    }
+
+    fn pid(&self, replica: usize) -> Option<Pid> {
+        self.slots.lock().unwrap()[replica]
+            .as_ref()
+            .map(|c| Pid::from_raw(c.id() as i32))
+    }
+
+    /// Stops every replica gracefully and waits for it.
+    fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        let mut slots = self.slots.lock().unwrap();
+        for child in slots.iter_mut().flatten() {
+            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGCONT);
+            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+        }
+        for child in slots.iter_mut().flatten() {
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while child.try_wait().unwrap().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fault {
+    KillLeader,
+    StopLeader,
+    PauseLeader,
+    PauseBackendShort,
+    PauseBackendLong,
+    RestartRedis,
+    DropConnections,
+    PartitionLeader,
+}
+
+impl Fault {
+    /// Whether children of two replicas may overlap during this fault: the
+    /// old leader cannot stop its child while it is paused or cut off.
+    fn excuses_overlap(self) -> bool {
+        matches!(self, Fault::PauseLeader | Fault::PartitionLeader)
+    }
+}
+
+/// A fault as it happened: when, and which replica it hit (if one).
+struct Window {
+    fault: Fault,
+    start: u128,
+    end: u128,
+}
+
+/// What the backend under test offers the suite.
+enum Backend {
+    Redis {
+        server: RedisServer,
+        proxies: Vec<Proxy>,
+    },
+    File {
+        dir: PathBuf,
+    },
+}
+
+struct Run {
+    dir: tempfile::TempDir,
+    marker: String,
+    backend: Backend,
+}
+
+impl Run {
+    fn url(&self, replica: Option<usize>) -> String {
+        match &self.backend {
+            Backend::Redis { server, proxies } => match replica {
+                Some(i) => format!("redis://127.0.0.1:{}", proxies[i].port),
+                None => server.url().to_owned(),
+            },
+            Backend::File { dir } => format!("file:{}", dir.display()),
+        }
+    }
+
+    fn faults(&self) -> Vec<Fault> {
+        match self.backend {
+            Backend::Redis { .. } => vec![
+                Fault::KillLeader,
+                Fault::StopLeader,
+                Fault::PauseLeader,
+                Fault::PauseBackendShort,
+                Fault::PauseBackendLong,
+                Fault::RestartRedis,
+                Fault::DropConnections,
+                Fault::PartitionLeader,
+            ],
+            Backend::File { .. } => vec![
+                Fault::KillLeader,
+                Fault::StopLeader,
+                Fault::PauseLeader,
+                Fault::PauseBackendShort,
+                Fault::PauseBackendLong,
+            ],
+        }
+    }
+
+    fn leader(&self) -> Option<usize> {
+        let out = Command::new(BIN)
+            .args([
+                "status",
+                "--backend",
+                &self.url(None),
+                "--key",
+                "chaos",
+                "--json",
+            ])
+            .output()
+            .ok()?;
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        status["holder"].as_str()?.strip_prefix('r')?.parse().ok()
+    }
+
+    /// Holds the file backend's mutex byte from another process for `d`.
+    fn block_file_backend(&self, d: Duration) {
+        let Backend::File { dir } = &self.backend else {
+            return;
+        };
+        let Some(lease) = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|e| e == "lease"))
+        else {
+            return;
+        };
+        let script = format!(
+            "import fcntl, os, time\nfd = os.open({:?}, os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX, 1, 1 << 40)\ntime.sleep({})\n",
+            lease.display().to_string(),
+            d.as_secs_f64()
+        );
+        let _ = Command::new("python3").args(["-c", &script]).status();
+    }
+}
+
+fn suite(mut run: Run) {
+    let seconds: u64 = std::env::var("CHAOS_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
+    let seed: u64 = std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20_261_129);
+    let name = match run.backend {
+        Backend::Redis { .. } => "redis",
+        Backend::File { .. } => "file",
+    };
+    println!(
+        "chaos on the {name} backend: {seconds} s of faults, seed {seed} (CHAOS_SEED to replay)"
+    );
+    let db = run.dir.path().join("digests.db");
+    let store = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/publisher/store.sh");
+    assert!(
+        Command::new(&store)
+            .arg("init")
+            .env("DIGESTS_DB", &db)
+            .status()
+            .unwrap()
+            .success()
+    );
+
+    let spawn: Arc<dyn Fn(usize) -> Child + Send + Sync> = {
+        let urls: Vec<String> = (0..REPLICAS).map(|i| run.url(Some(i))).collect();
+        let (dir, marker, store, db) = (
+            run.dir.path().to_owned(),
+            run.marker.clone(),
+            store.clone(),
+            db.clone(),
+        );
+        let publisher = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chaos/publish.sh");
+        Arc::new(move |i: usize| {
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join(format!("r{i}.log")))
+                .unwrap();
+            Command::new(BIN)
+                .args([
+                    "--backend",
+                    &urls[i],
+                    "--key",
+                    "chaos",
+                    "--owner",
+                    &format!("r{i}"),
+                ])
+                .args(FAST)
+                .arg("--claim-cmd")
+                .arg(format!("{} claim", store.display()))
+                .arg("--")
+                .arg(&publisher)
+                .env("DIGESTS_DB", &db)
+                .env("STORE", &store)
+                .env("CHAOS_DIR", &dir)
+                .env("CHAOS_RUN", &marker)
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap()
+        })
+    };
+    let fleet = Fleet::start(spawn);
+    let attempts = run.dir.path().join("attempts");
+    assert!(
+        wait_until(Duration::from_secs(30), || std::fs::read_to_string(
+            &attempts
+        )
+        .is_ok_and(|a| !a.is_empty())),
+        "nobody published"
+    );
+
+    let mut rng = Rng(seed | 1);
+    let mut windows = Vec::new();
+    let started = now_ns();
+    let finish = Instant::now() + Duration::from_secs(seconds);
+    // Rounds of every fault the backend has, each round in a seeded order.
+    let mut round: Vec<Fault> = Vec::new();
+    while Instant::now() < finish {
+        if round.is_empty() {
+            round = run.faults();
+            for i in (1..round.len()).rev() {
+                round.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+        }
+        std::thread::sleep(rng.millis(1500, 3000));
+        let Some(leader) = run.leader() else { continue };
+        let fault = round.pop().unwrap();
+        let start = now_ns();
+        inject(&mut run, &fleet, fault, leader, &mut rng);
+        windows.push(Window {
+            fault,
+            start,
+            end: now_ns(),
+        });
+    }
+    let faults_over = now_ns();
+    // Let the last fault play out before stopping everything.
+    std::thread::sleep(Duration::from_secs(3));
+    fleet.stop();
+
+    let report = analyse(&run, &db, &attempts, &windows, started, faults_over);
+    let restarts = *fleet.restarts.lock().unwrap();
+    let mut counts: BTreeMap<Fault, usize> = BTreeMap::new();
+    for w in &windows {
+        *counts.entry(w.fault).or_default() += 1;
+    }
+    println!("faults: {counts:?}; replicas restarted {restarts} times");
+    println!("{report}");
+    assert!(
+        report.violations.is_empty(),
+        "seed {seed}: {:?}",
+        report.violations
+    );
+    assert!(
+        report.availability > 0.70,
+        "seed {seed}: availability {:.1}%",
+        report.availability * 100.0
+    );
+}
+
+fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut Rng) {
+    let signal_leader = |signal: Signal| {
+        if let Some(pid) = fleet.pid(leader) {
+            let _ = kill(pid, signal);
+        }
+    };
+    match fault {
+        Fault::KillLeader => signal_leader(Signal::SIGKILL),
+        Fault::StopLeader => signal_leader(Signal::SIGTERM),
+        Fault::PauseLeader => {
+            signal_leader(Signal::SIGSTOP);
+            std::thread::sleep(TTL + rng.millis(500, 1500));
+            signal_leader(Signal::SIGCONT);
+        }
+        Fault::PauseBackendShort | Fault::PauseBackendLong => {
+            // The renewal budget is 600 ms with the test timing.
+            let pause = if fault == Fault::PauseBackendShort {
+                rng.millis(100, 400)
+            } else {
+                rng.millis(900, 2000)
+            };
+            match &run.backend {
+                Backend::Redis { server, .. } => {
+                    server.pause();
+                    std::thread::sleep(pause);
+                    server.resume();
+                }
+                Backend::File { .. } => run.block_file_backend(pause),
+            }
+        }
+        Fault::RestartRedis => {
+            if let Backend::Redis { server, .. } = &mut run.backend {
+                server.restart();
+            }
+        }
+        Fault::DropConnections => {
+            if let Backend::Redis { proxies, .. } = &run.backend {
+                proxies[leader].drop_connections();
+            }
+        }
+        Fault::PartitionLeader => {
+            if let Backend::Redis { proxies, .. } = &run.backend {
+                proxies[leader].black_hole.store(true, Ordering::SeqCst);
+                std::thread::sleep(TTL + rng.millis(500, 1500));
+                proxies[leader].black_hole.store(false, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// One child's run, from its write attempts.
+#[derive(Debug)]
+struct Term {
+    owner: String,
+    token: u64,
+    first: u128,
+    last: u128,
+}
+
+struct Report {
+    accepted: usize,
+    stale: usize,
+    overlap_ms: BTreeMap<String, f64>,
+    violations: Vec<String>,
+    availability: f64,
+    orphans: usize,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "accepted writes: {}; stale writes accepted: {}",
+            self.accepted, self.stale
+        )?;
+        let total: f64 = self.overlap_ms.values().sum();
+        writeln!(
+            f,
+            "children overlapping: {total:.0} ms in all {:?}",
+            self.overlap_ms
+        )?;
+        writeln!(f, "processes left alive: {}", self.orphans)?;
+        write!(
+            f,
+            "availability: {:.1}% of the time served",
+            self.availability * 100.0
+        )
+    }
+}
+
+fn analyse(
+    run: &Run,
+    db: &Path,
+    attempts: &Path,
+    windows: &[Window],
+    started: u128,
+    faults_over: u128,
+) -> Report {
+    let mut violations = Vec::new();
+
+    // 1. Zero stale writes: accepted tokens never go down.
+    let out = Command::new("sqlite3")
+        .args(["-batch", "-cmd", ".timeout 10000"])
+        .arg(db)
+        .arg("SELECT token FROM published ORDER BY seq")
+        .output()
+        .unwrap();
+    let tokens: Vec<u64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    let stale = tokens.windows(2).filter(|w| w[1] < w[0]).count();
+    if stale > 0 {
+        violations.push(format!("{stale} stale writes accepted"));
+    }
+
+    // 2. Overlap of children of different replicas, attributed to faults.
+    let text = std::fs::read_to_string(attempts).unwrap();
+    let mut terms: BTreeMap<u32, Term> = BTreeMap::new();
+    let mut served = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        let [t, token, accepted, pid, owner] = f[..] else {
+            continue;
+        };
+        let (t, token, pid): (u128, u64, u32) = (
+            t.parse().unwrap(),
+            token.parse().unwrap(),
+            pid.parse().unwrap(),
+        );
+        let term = terms.entry(pid).or_insert(Term {
+            owner: owner.to_owned(),
+            token,
+            first: t,
+            last: t,
+        });
+        term.last = t;
+        if accepted == "1" {
+            served.push(t);
+        }
+    }
+    let terms: Vec<Term> = terms.into_values().collect();
+    let ttl = TTL.as_nanos();
+    let mut overlap_ms: BTreeMap<String, f64> = BTreeMap::new();
+    for (i, a) in terms.iter().enumerate() {
+        for b in &terms[i + 1..] {
+            if a.owner == b.owner {
+                continue;
+            }
+            let (from, to) = (a.first.max(b.first), a.last.min(b.last));
+            if from >= to {
+                continue;
+            }
+            let ms = (to - from) as f64 / 1e6;
+            // The store must have refused the older term's writes from the
+            // newer term's first accepted write on, in the store's own order
+            // (the log's timestamps are taken after each write returns).
+            let (old, new) = if a.token < b.token { (a, b) } else { (b, a) };
+            if let Some(first_new) = tokens.iter().position(|t| *t == new.token) {
+                if tokens[first_new..].contains(&old.token) {
+                    violations.push(format!(
+                        "token {} wrote after token {} had written",
+                        old.token, new.token
+                    ));
+                }
+            }
+            let cause = windows
+                .iter()
+                .find(|w| w.fault.excuses_overlap() && w.start <= to && from <= w.end + ttl)
+                .map(|w| format!("{:?}", w.fault));
+            match cause {
+                Some(cause) => *overlap_ms.entry(cause).or_default() += ms,
+                None => {
+                    *overlap_ms.entry("unexplained".into()).or_default() += ms;
+                    violations.push(format!(
+                        "{a:?} and {b:?} overlapped {ms:.1} ms with no paused or partitioned leader"
+                    ));
+                }
+            }
+        }
+    }
+
+    // 3. No process of any term left behind.
+    std::thread::sleep(Duration::from_millis(500));
+    let needle = format!("CHAOS_RUN={}", run.marker);
+    let orphans = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+        })
+        .count();
+    if orphans > 0 {
+        violations.push(format!("{orphans} processes of the run are still alive"));
+    }
+
+    // 4. Availability: time within 250 ms after an accepted write.
+    served.sort();
+    let window = 250_000_000u128;
+    let mut covered = 0u128;
+    let mut until = started;
+    for t in served
+        .into_iter()
+        .filter(|t| *t >= started && *t <= faults_over)
+    {
+        let end = (t + window).min(faults_over);
+        if end > until {
+            covered += end - t.max(until);
+            until = end;
+        }
+    }
+    let availability = covered as f64 / (faults_over - started) as f64;
+    Report {
+        accepted: tokens.len(),
+        stale,
+        overlap_ms,
+        violations,
+        availability,
+        orphans,
+    }
+}
+
+fn marker() -> String {
+    format!("{}-{}", std::process::id(), now_ns())
+}
+
+#[test]
+fn chaos_on_redis() {
+    let server = RedisServer::start();
+    server.wait_uptime(None, 2);
+    let proxies = (0..REPLICAS).map(|_| Proxy::start(server.port)).collect();
+    suite(Run {
+        dir: tempfile::Builder::new()
+            .prefix("leaderrun-chaos-")
+            .tempdir()
+            .unwrap(),
+        marker: marker(),
+        backend: Backend::Redis { server, proxies },
+    });
+}
+
+#[test]
+fn chaos_on_the_file_backend() {
+    let dir = tempfile::Builder::new()
+        .prefix("leaderrun-chaos-")
+        .tempdir()
+        .unwrap();
+    let state = dir.path().join("state");
+    suite(Run {
+        dir,
+        marker: marker(),
+        backend: Backend::File { dir: state },
+    });
+}

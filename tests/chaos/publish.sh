@@ -1,0 +1,18 @@
+#!/bin/sh
+# The chaos suite's publisher: the seed's publisher (examples/publisher),
+# writing every 50 ms and logging every attempt, accepted or refused, as
+# "<monotonic-ish ns> <token> <accepted 1|0> <pid>" in $CHAOS_DIR/attempts.
+# It stops at the first refused write, like the seed's.
+set -u
+store=$STORE
+stopping=0
+trap 'stopping=1' TERM INT
+n=0
+while [ "$stopping" = 0 ]; do
+    n=$((n + 1))
+    if setsid -w "$store" write "$LEADERRUN_OWNER #$n"; then accepted=1; else accepted=0; fi
+    echo "$(date +%s%N) $LEADERRUN_TOKEN $accepted $$ $LEADERRUN_OWNER" >> "$CHAOS_DIR/attempts"
+    [ "$accepted" = 1 ] || exit 1
+    sleep 0.05 &
+    wait $! 2>/dev/null
+done
