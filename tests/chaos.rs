@@ -18,14 +18,13 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::proxy::Proxy;
 use common::redis_server::RedisServer;
 use common::{BIN, FAST, wait_until};
 use nix::sys::signal::{Signal, kill};
@@ -61,80 +60,6 @@ fn now_ns() -> u128 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos()
-}
-
-/// A TCP proxy in front of Redis for one replica: it can drop every
-/// connection, or black-hole the traffic (stop forwarding, keep sockets open).
-struct Proxy {
-    port: u16,
-    black_hole: Arc<AtomicBool>,
-    connections: Arc<Mutex<Vec<TcpStream>>>,
-}
-
-impl Proxy {
-    fn start(target: u16) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let black_hole = Arc::new(AtomicBool::new(false));
-        let connections: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (hole, conns) = (black_hole.clone(), connections.clone());
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { continue };
-                let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else {
-                    continue;
-                };
-                let mut registry = conns.lock().unwrap();
-                registry.push(client.try_clone().unwrap());
-                registry.push(server.try_clone().unwrap());
-                for (from, to) in [
-                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
-                    (server, client),
-                ] {
-                    let hole = hole.clone();
-                    std::thread::spawn(move || pump(from, to, &hole));
-                }
-            }
-        });
-        Proxy {
-            port,
-            black_hole,
-            connections,
-        }
-    }
-
-    fn drop_connections(&self) {
-        for stream in self.connections.lock().unwrap().drain(..) {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-    }
-}
-
-fn pump(mut from: TcpStream, mut to: TcpStream, black_hole: &AtomicBool) {
-    let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
-    let mut buf = [0u8; 16384];
-    loop {
-        if black_hole.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
-        }
-        match from.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                if to.write_all(&buf[..n]).is_err() {
-                    break;
-                }
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(_) => break,
-        }
-    }
-    let _ = from.shutdown(Shutdown::Both);
-    let _ = to.shutdown(Shutdown::Both);
 }
 
 /// Three replicas, each restarted like a container when it exits.
@@ -481,9 +406,9 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
         }
         Fault::PartitionLeader => {
             if let Backend::Redis { proxies, .. } = &run.backend {
-                proxies[leader].black_hole.store(true, Ordering::SeqCst);
+                proxies[leader].black_hole(true);
                 std::thread::sleep(TTL + rng.millis(500, 1500));
-                proxies[leader].black_hole.store(false, Ordering::SeqCst);
+                proxies[leader].black_hole(false);
             }
         }
     }
@@ -514,11 +439,20 @@ impl std::fmt::Display for Report {
             "accepted writes: {}; stale writes accepted: {}",
             self.accepted, self.stale
         )?;
-        let total: f64 = self.overlap_ms.values().sum();
+        let total: f64 = self.overlap_ms.values().fold(0.0, |sum, ms| sum + ms);
+        let causes: Vec<String> = self
+            .overlap_ms
+            .iter()
+            .map(|(cause, ms)| format!("{ms:.0} ms during {cause}"))
+            .collect();
+        let causes = if causes.is_empty() {
+            "none".to_owned()
+        } else {
+            causes.join(", ")
+        };
         writeln!(
             f,
-            "children overlapping: {total:.0} ms in all {:?}",
-            self.overlap_ms
+            "children of two replicas overlapping: {total:.0} ms in all ({causes})"
         )?;
         writeln!(f, "processes left alive: {}", self.orphans)?;
         write!(

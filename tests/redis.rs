@@ -5,6 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::proxy::Proxy;
 use common::redis_server::{RedisServer, free_port};
 use common::{Sandbox, alive, ensure_dead, wait_dead, wait_until};
 use nix::sys::signal::Signal;
@@ -105,6 +106,47 @@ fn a_restarted_redis_is_not_acquired_from_for_one_ttl() {
         replica.stderr()
     );
     assert_eq!(sandbox.read("token").trim(), "1");
+}
+
+#[test]
+fn a_redis_whose_run_id_changed_is_held_off_for_one_ttl() {
+    // Two servers, both up longer than the ttl. Switching from one to the
+    // other, which never saw the lease, is a failover to a replica that
+    // missed the last writes: the data is older than what the leader was
+    // told, though the new server did not restart.
+    let (a, b) = (ready_server(), ready_server());
+    let proxy = Proxy::start(a.port);
+    let url = format!("redis://127.0.0.1:{}", proxy.port);
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun_on(&url, "failover")
+        .sh("trap 'exit 0' TERM; echo $LEADERRUN_TOKEN >> tokens; while :; do sleep 0.02; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.lines("tokens").len() == 1));
+    proxy.retarget(b.port);
+    proxy.drop_connections();
+    let switched = Instant::now();
+    // The next renewal, on b, finds no lease: the term is lost. b's run id
+    // is not the one leaderrun knew, so it waits one ttl before acquiring.
+    assert!(
+        wait_until(LONG, || sandbox.lines("tokens").len() == 2),
+        "{}",
+        leader.stderr()
+    );
+    let took = switched.elapsed();
+    assert!(
+        took >= Duration::from_millis(1800),
+        "acquired on the new server {took:?} after the switch"
+    );
+    assert!(
+        leader.stderr().contains("new run id"),
+        "{}",
+        leader.stderr()
+    );
+    // And the token still grew, though b's counter started from nothing.
+    assert_eq!(sandbox.lines("tokens"), ["1", "2"]);
+    leader.signal(Signal::SIGTERM);
+    leader.wait(LONG);
 }
 
 #[test]

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod proxy;
 pub mod redis_server;
 
 use std::ffi::OsStr;

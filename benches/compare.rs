@@ -1,0 +1,813 @@
+//! leaderrun side by side with `etcdctl lock` and `flock`, in one run, and
+//! at scale. Prints one table and writes it, with the machine's description,
+//! to `docs/benchmarks.md`.
+//!
+//! Rows: leaderrun on the file backend and on Redis, `etcdctl lock` (when
+//! `etcd` and `etcdctl` are installed), and `flock`. Columns: uncontended
+//! whole-process cycle, graceful handover p50/p99 (from the first child's last
+//! action to the second child's first), crash failover after `kill -9` of the
+//! holder (and whether its child outlived it), an idle follower's CPU and
+//! backend requests, and the RSS of a holder. Then scale: 100 followers on
+//! one key, and 1,000 keys on one Redis.
+//!
+//! Run with `cargo bench --bench compare`. `LEADERRUN_BENCH_N` sets the
+//! samples per measure (default 200); `LEADERRUN_BENCH_SCALE=0` skips the
+//! scale runs. The children are `benches/stamp.c`, compiled here: a static C
+//! program that writes CLOCK_MONOTONIC (shared by every process on the host)
+//! as its first and last actions, so no shell start-up is counted.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_leaderrun");
+/// Hold value for a child that runs until killed.
+const FOREVER: i64 = -1;
+/// The lease/session ttl of every tool, for comparable failover.
+const TTL_SECS: u64 = 6;
+
+fn main() {
+    let samples: usize = env_number("LEADERRUN_BENCH_N").unwrap_or(200);
+    let scale = env_number("LEADERRUN_BENCH_SCALE").unwrap_or(1) != 0;
+    let dir = tempfile::Builder::new()
+        .prefix("leaderrun-bench-")
+        .tempdir()
+        .unwrap();
+    let stamp = compile_stamp(dir.path());
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# Benchmarks\n\nMeasured by `cargo bench --bench compare` ({samples} samples per measure; times in ms).\n\n{}\n",
+        machine()
+    );
+
+    let _ = writeln!(
+        out,
+        "| tool | cycle p50 | cycle p99 | handover p50 | handover p99 | crash failover beyond ttl | child after kill -9 | idle follower CPU ms/s | idle follower backend req/s | holder RSS |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
+    let bench = Bench {
+        dir: dir.path().to_owned(),
+        stamp,
+        redis_port: 0,
+    };
+    // Each server runs only while its own rows are measured, so that an
+    // idle etcd does not load the machine under the others.
+    let file = Tool {
+        name: "leaderrun (file)",
+        kind: Kind::Leaderrun(format!("file:{}", dir.path().join("state").display())),
+    };
+    out += &bench.row(&file, samples);
+    let redis = Server::redis(dir.path());
+    let bench = Bench {
+        redis_port: redis.port,
+        ..bench
+    };
+    let on_redis = Tool {
+        name: "leaderrun (redis)",
+        kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", redis.port)),
+    };
+    out += &bench.row(&on_redis, samples);
+    if let Some(etcd) = Server::etcd(dir.path()) {
+        let etcdctl = Tool {
+            name: "etcdctl lock",
+            kind: Kind::Etcdctl(format!("http://127.0.0.1:{}", etcd.port)),
+        };
+        out += &bench.row(&etcdctl, samples);
+    } else {
+        let _ = writeln!(out, "| etcdctl lock | not installed | | | | | | | | |");
+    }
+    let flock = Tool {
+        name: "flock",
+        kind: Kind::Flock(dir.path().join("flock.lock")),
+    };
+    out += &bench.row(&flock, samples);
+    let _ = writeln!(
+        out,
+        "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). crash failover beyond ttl: how long after the lease (or session) could lapse the follower's child started, after `kill -9` of the holder ({TTL_SECS} s ttl for every tool); `flock` has no ttl. child after kill -9: whether the killed holder's child went on running. idle follower: a process waiting on a held lease, over 6 s; backend requests counted by the server (Redis: commands, including those run by scripts)."
+    );
+
+    if scale {
+        eprintln!("measuring scale");
+        bench.scale(&mut out, redis.port);
+    }
+    print!("{out}");
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/benchmarks.md");
+    fs::create_dir_all(docs.parent().unwrap()).unwrap();
+    fs::write(&docs, &out).unwrap();
+    eprintln!("written to {}", docs.display());
+}
+
+fn env_number(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.parse().ok()
+}
+
+/// A backend server started for the benchmark, on a free port.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Server {
+    /// redis-server, up for one ttl so that leaderrun does not hold off.
+    fn redis(dir: &Path) -> Server {
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+            ])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server (scripts/test installs it)");
+        std::thread::sleep(Duration::from_secs(TTL_SECS + 1));
+        Server { child, port }
+    }
+
+    /// etcd, if installed.
+    fn etcd(dir: &Path) -> Option<Server> {
+        Command::new("etcdctl").arg("version").output().ok()?;
+        let (port, peer) = (free_port(), free_port());
+        let child = Command::new("etcd")
+            .arg("--data-dir")
+            .arg(dir.join("etcd"))
+            .args(["--listen-client-urls", &format!("http://127.0.0.1:{port}")])
+            .args([
+                "--advertise-client-urls",
+                &format!("http://127.0.0.1:{port}"),
+            ])
+            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args([
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{peer}"),
+            ])
+            .args([
+                "--initial-cluster",
+                &format!("default=http://127.0.0.1:{peer}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let server = Server { child, port };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            let healthy = Command::new("etcdctl")
+                .args([
+                    "--endpoints",
+                    &format!("http://127.0.0.1:{port}"),
+                    "endpoint",
+                    "health",
+                ])
+                .env("ETCDCTL_API", "3")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if healthy {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        None
+    }
+}
+
+struct Tool {
+    name: &'static str,
+    kind: Kind,
+}
+
+enum Kind {
+    Leaderrun(String),
+    Etcdctl(String),
+    Flock(PathBuf),
+}
+
+impl Tool {
+    /// The tool running `child` while it holds `key`.
+    fn command(&self, key: &str, child: &[&str]) -> Command {
+        let mut cmd = match &self.kind {
+            Kind::Leaderrun(url) => {
+                let mut cmd = Command::new(BIN);
+                cmd.args([
+                    "--backend",
+                    url,
+                    "--key",
+                    key,
+                    "-q",
+                    "--ttl",
+                    &format!("{TTL_SECS}s"),
+                    "--",
+                ]);
+                cmd
+            }
+            Kind::Etcdctl(endpoint) => {
+                let mut cmd = Command::new("etcdctl");
+                cmd.env("ETCDCTL_API", "3").args([
+                    "--endpoints",
+                    endpoint,
+                    "lock",
+                    "--ttl",
+                    &TTL_SECS.to_string(),
+                    key,
+                ]);
+                cmd
+            }
+            Kind::Flock(file) => {
+                let mut cmd = Command::new("flock");
+                cmd.arg(file.with_extension(key));
+                cmd
+            }
+        };
+        cmd.args(child)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        cmd
+    }
+}
+
+struct Bench {
+    dir: PathBuf,
+    stamp: PathBuf,
+    redis_port: u16,
+}
+
+struct Failover {
+    /// Median ms after the lease could lapse (after the kill, for flock and
+    /// the file backend, whose holder's death frees the lock at once).
+    excess: Option<f64>,
+    /// Whether the killed holder's child was still running at the takeover.
+    orphaned: bool,
+}
+
+impl Bench {
+    /// Every measure of one tool, as a table row.
+    fn row(&self, tool: &Tool, samples: usize) -> String {
+        eprintln!("measuring {}", tool.name);
+        let cycle = self.cycle(tool, samples);
+        let handover = self.handover(tool, samples);
+        // flock's answer is the same every time (the killed holder's child
+        // keeps the lock), and etcd's takes a ttl per sample.
+        let failover_samples = match tool.kind {
+            Kind::Leaderrun(_) => 20,
+            Kind::Etcdctl(_) => 5,
+            Kind::Flock(_) => 1,
+        };
+        let failover = self.failover(tool, failover_samples);
+        let (cpu, requests) = self.idle_follower(tool);
+        let rss = self.rss(tool);
+        format!(
+            "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {cpu:.3} | {} | {:.1} MB |\n",
+            tool.name,
+            percentile(&cycle, 50.0),
+            percentile(&cycle, 99.0),
+            percentile(&handover, 50.0),
+            percentile(&handover, 99.0),
+            failover
+                .excess
+                .map_or("never: the lock stays held".into(), |ms| format!(
+                    "{ms:.1} ms p50"
+                )),
+            if failover.orphaned {
+                "**kept running**"
+            } else {
+                "killed"
+            },
+            requests.map_or("n/a".into(), |r| format!("{r:.1}")),
+            rss as f64 / 1024.0,
+        )
+    }
+
+    fn stamped(&self, tool: &Tool, key: &str, stamps: &Path, hold_ms: i64) -> Command {
+        let mut cmd = tool.command(key, &[self.stamp.to_str().unwrap()]);
+        cmd.env("LEADERRUN_BENCH_STAMP", stamps)
+            .env("LEADERRUN_BENCH_HOLD_MS", hold_ms.to_string());
+        cmd
+    }
+
+    fn cycle(&self, tool: &Tool, samples: usize) -> Vec<f64> {
+        (0..samples)
+            .map(|_| {
+                let start = Instant::now();
+                assert!(
+                    tool.command("cycle", &["true"]).status().unwrap().success(),
+                    "{}",
+                    tool.name
+                );
+                start.elapsed().as_secs_f64() * 1000.0
+            })
+            .collect()
+    }
+
+    /// Replicas queue up on one key; each child stamps, holds 20 ms, stamps
+    /// and exits, and the next replica (already waiting) takes over.
+    fn handover(&self, tool: &Tool, samples: usize) -> Vec<f64> {
+        let stamps = self
+            .dir
+            .join(format!("{}-handover.stamps", slug(tool.name)));
+        let spawn = || self.stamped(tool, "handover", &stamps, 20).spawn().unwrap();
+        let mut queue: VecDeque<Child> = (0..3).map(|_| spawn()).collect();
+        for round in 0..samples {
+            let mut holder = queue.pop_front().unwrap();
+            holder.wait().unwrap();
+            // Start the replacement only once the next term has begun, so its
+            // start-up does not compete with the handover being measured.
+            wait_for_lines(&stamps, 2 * round + 3, Duration::from_secs(60));
+            queue.push_back(spawn());
+        }
+        for mut replica in queue {
+            let _ = replica.kill();
+            let _ = replica.wait();
+        }
+        gaps(&stamps)
+    }
+
+    /// The holder (child runs forever) is killed with SIGKILL while a
+    /// follower waits.
+    fn failover(&self, tool: &Tool, samples: usize) -> Failover {
+        let mut excess = Vec::new();
+        let mut orphaned = false;
+        for i in 0..samples {
+            let stamps = self
+                .dir
+                .join(format!("{}-failover-{i}.stamps", slug(tool.name)));
+            let key = format!("failover-{i}");
+            let mut holder = self.stamped(tool, &key, &stamps, FOREVER).spawn().unwrap();
+            wait_for_lines(&stamps, 1, Duration::from_secs(30));
+            let first_child = child_pid(holder.id());
+            let mut follower = self.stamped(tool, &key, &stamps, 0).spawn().unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+            let killed = monotonic_ns();
+            holder.kill().unwrap();
+            holder.wait().unwrap();
+            // A lease or session could lapse at most one ttl after the kill
+            // (minus the time since its last renewal, which we do not know
+            // for etcd: measure from the kill for every tool but flock and
+            // the file backend, whose locks die with their holder).
+            let lapse = match &tool.kind {
+                Kind::Leaderrun(url) if url.starts_with("file:") => 0.0,
+                Kind::Flock(_) => 0.0,
+                _ => self.remaining_ms(tool, &key),
+            };
+            let took = wait_for_lines_within(&stamps, 2, Duration::from_secs(TTL_SECS * 3));
+            if let Some(pid) = first_child {
+                orphaned |= alive(pid);
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            let _ = follower.kill();
+            let _ = follower.wait();
+            if took {
+                let started = read_stamps(&stamps)
+                    .iter()
+                    .filter(|(k, _)| k == "start")
+                    .map(|(_, t)| *t)
+                    .max()
+                    .unwrap();
+                excess.push((started - killed) as f64 / 1e6 - lapse);
+            }
+        }
+        Failover {
+            excess: (!excess.is_empty()).then(|| percentile(&excess, 50.0)),
+            orphaned,
+        }
+    }
+
+    /// What is left of the holder's lease at the kill: the Redis key's PTTL,
+    /// or a whole ttl for etcd (its session TTL counts from the last
+    /// keep-alive, which we cannot see; so etcd's excess is an upper bound).
+    fn remaining_ms(&self, tool: &Tool, key: &str) -> f64 {
+        match &tool.kind {
+            Kind::Leaderrun(url) if url.starts_with("redis") => {
+                let client =
+                    redis::Client::open(format!("redis://127.0.0.1:{}", self.redis_port)).unwrap();
+                let mut connection = client.get_connection().unwrap();
+                let pttl: i64 = redis::cmd("PTTL")
+                    .arg(format!("leaderrun:{{{key}}}:lease"))
+                    .query(&mut connection)
+                    .unwrap();
+                pttl.max(0) as f64
+            }
+            _ => (TTL_SECS * 1000) as f64,
+        }
+    }
+
+    /// CPU (ms/s) of a follower waiting on a held lease, and for Redis the
+    /// commands per second it adds.
+    fn idle_follower(&self, tool: &Tool) -> (f64, Option<f64>) {
+        let stamps = self.dir.join(format!("{}-idle.stamps", slug(tool.name)));
+        let mut holder = self
+            .stamped(tool, "idle", &stamps, FOREVER)
+            .spawn()
+            .unwrap();
+        wait_for_lines(&stamps, 1, Duration::from_secs(30));
+        let window = Duration::from_secs(6);
+        let redis = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("redis"));
+        let alone = redis.then(|| self.redis_commands_during(window));
+        let mut follower = self.stamped(tool, "idle", &stamps, 0).spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let before = cpu_ticks(follower.id());
+        let both = if redis {
+            Some(self.redis_commands_during(window))
+        } else {
+            std::thread::sleep(window);
+            None
+        };
+        let after = cpu_ticks(follower.id());
+        for child in [&mut holder, &mut follower] {
+            if let Some(pid) = child_pid(child.id()) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let cpu = (after - before) as f64 * 10.0 / window.as_secs_f64(); // 100 ticks per second
+        (cpu, alone.zip(both).map(|(a, b)| b - a))
+    }
+
+    fn redis_commands_during(&self, window: Duration) -> f64 {
+        let total = || redis_info(self.redis_port, "stats", "total_commands_processed:");
+        let before = total();
+        std::thread::sleep(window);
+        (total() - before - 1.0) / window.as_secs_f64()
+    }
+
+    /// VmRSS (kB) of a tool process holding a lease, past a renewal.
+    fn rss(&self, tool: &Tool) -> u64 {
+        let stamps = self.dir.join(format!("{}-rss.stamps", slug(tool.name)));
+        let mut holder = self.stamped(tool, "rss", &stamps, FOREVER).spawn().unwrap();
+        wait_for_lines(&stamps, 1, Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(2500));
+        let rss = status_kb(holder.id(), "VmRSS:");
+        if let Some(pid) = child_pid(holder.id()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let _ = holder.kill();
+        let _ = holder.wait();
+        rss
+    }
+
+    /// 100 followers on one key (file and Redis), and 1,000 keys on one
+    /// Redis, each led by its own leaderrun.
+    fn scale(&self, out: &mut String, redis_port: u16) {
+        let _ = writeln!(
+            out,
+            "\n## Scale\n\n| scenario | handover p50 | handover p99 | CPU of all followers, ms/s | Redis CPU, ms/s | Redis commands/s |\n|---|---|---|---|---|---|"
+        );
+        for (name, url) in [
+            (
+                "file backend, 1 key, 1 leader + 100 followers",
+                format!("file:{}", self.dir.join("scale-state").display()),
+            ),
+            (
+                "redis, 1 key, 1 leader + 100 followers",
+                format!("redis://127.0.0.1:{redis_port}"),
+            ),
+        ] {
+            let tool = Tool {
+                name: "scale",
+                kind: Kind::Leaderrun(url.clone()),
+            };
+            let stamps = self.dir.join(format!("{}.stamps", slug(name)));
+            // Every follower's child holds 100 ms, so each of 30 handovers is
+            // contested by the others still waiting.
+            let mut replicas: Vec<Child> = (0..101)
+                .map(|_| self.stamped(&tool, "crowd", &stamps, 100).spawn().unwrap())
+                .collect();
+            wait_for_lines(&stamps, 1, Duration::from_secs(60));
+            std::thread::sleep(Duration::from_secs(3)); // everyone is waiting
+            let pids: Vec<u32> = replicas.iter().map(Child::id).collect();
+            let cpu_before: u64 = pids.iter().map(|p| cpu_ticks_or_zero(*p)).sum();
+            let redis_before = url.starts_with("redis").then(|| {
+                (
+                    redis_cpu_ms(redis_port),
+                    redis_info(redis_port, "stats", "total_commands_processed:"),
+                )
+            });
+            let started = Instant::now();
+            wait_for_lines(&stamps, 2 * 30, Duration::from_secs(120));
+            let elapsed = started.elapsed().as_secs_f64();
+            let cpu_after: u64 = pids.iter().map(|p| cpu_ticks_or_zero(*p)).sum();
+            let redis = redis_before.map(|(cpu, commands)| {
+                (
+                    (redis_cpu_ms(redis_port) - cpu) / elapsed,
+                    (redis_info(redis_port, "stats", "total_commands_processed:") - commands)
+                        / elapsed,
+                )
+            });
+            for child in &mut replicas {
+                if let Some(pid) = child_pid(child.id()) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid as i32),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+                let _ = child.kill();
+            }
+            for child in &mut replicas {
+                let _ = child.wait();
+            }
+            let handover = gaps(&stamps);
+            let _ = writeln!(
+                out,
+                "| {name} | {:.2} | {:.2} | {:.1} | {} | {} |",
+                percentile(&handover, 50.0),
+                percentile(&handover, 99.0),
+                (cpu_after - cpu_before) as f64 * 10.0 / elapsed,
+                redis.map_or("n/a".into(), |(cpu, _)| format!("{cpu:.1}")),
+                redis.map_or("n/a".into(), |(_, commands)| format!("{commands:.0}")),
+            );
+        }
+
+        // 1,000 keys, each with its own leader, renewing every 2 s; then a
+        // handover on one of them while the others keep renewing.
+        let tool = Tool {
+            name: "keys",
+            kind: Kind::Leaderrun(format!("redis://127.0.0.1:{redis_port}")),
+        };
+        let mut leaders: Vec<Child> = (0..1000)
+            .map(|i| {
+                tool.command(&format!("key-{i}"), &["sleep", "3600"])
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs(10));
+        let (cpu, commands) = (
+            redis_cpu_ms(redis_port),
+            redis_info(redis_port, "stats", "total_commands_processed:"),
+        );
+        std::thread::sleep(Duration::from_secs(10));
+        let redis_cpu = (redis_cpu_ms(redis_port) - cpu) / 10.0;
+        let redis_commands =
+            (redis_info(redis_port, "stats", "total_commands_processed:") - commands) / 10.0;
+        let handover = self.handover(&tool, 50);
+        let rss: u64 = leaders
+            .iter()
+            .take(20)
+            .map(|c| status_kb(c.id(), "VmRSS:"))
+            .sum::<u64>()
+            / 20;
+        for child in &mut leaders {
+            if let Some(pid) = child_pid(child.id()) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            let _ = child.kill();
+        }
+        for child in &mut leaders {
+            let _ = child.wait();
+        }
+        let _ = writeln!(
+            out,
+            "| redis, 1,000 keys each led by its own leaderrun (+ a handover on another key) | {:.2} | {:.2} | n/a | {redis_cpu:.1} | {redis_commands:.0} |",
+            percentile(&handover, 50.0),
+            percentile(&handover, 99.0),
+        );
+        let _ = writeln!(
+            out,
+            "\nleaderrun runs one key per process: 1,000 keys are 1,000 supervisors (RSS {:.1} MB each, most of it shared pages of the binary and libc). Handovers in the crowd scenarios are between children that hold 100 ms each; Redis CPU is the server's own user+system time.",
+            rss as f64 / 1024.0
+        );
+    }
+}
+
+fn redis_info(port: u16, section: &str, field: &str) -> f64 {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    let mut connection = client.get_connection().unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg(section)
+        .query(&mut connection)
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The Redis server's CPU (user + system) in ms.
+fn redis_cpu_ms(port: u16) -> f64 {
+    (redis_info(port, "cpu", "used_cpu_sys:") + redis_info(port, "cpu", "used_cpu_user:")) * 1000.0
+}
+
+fn slug(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect()
+}
+
+fn compile_stamp(dir: &Path) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/stamp.c");
+    let out = dir.join("stamp");
+    for static_link in [true, false] {
+        let mut cc = Command::new("cc");
+        cc.args(["-O2", "-o"])
+            .arg(&out)
+            .arg(&source)
+            .stderr(Stdio::null());
+        if static_link {
+            cc.arg("-static");
+        }
+        if cc.status().is_ok_and(|s| s.success()) {
+            return out;
+        }
+    }
+    panic!("the benchmark needs a C compiler (cc) for benches/stamp.c");
+}
+
+fn monotonic_ns() -> u128 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).unwrap();
+    now.tv_sec() as u128 * 1_000_000_000 + now.tv_nsec() as u128
+}
+
+fn read_stamps(path: &Path) -> Vec<(String, u128)> {
+    fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| {
+            let (kind, t) = line.split_once(' ')?;
+            Some((kind.to_owned(), t.parse().ok()?))
+        })
+        .collect()
+}
+
+/// For each "end" stamp followed by a "start" stamp, the gap in ms.
+fn gaps(path: &Path) -> Vec<f64> {
+    let mut stamps = read_stamps(path);
+    stamps.sort_by_key(|(_, t)| *t);
+    stamps
+        .windows(2)
+        .filter(|w| w[0].0 == "end" && w[1].0 == "start")
+        .map(|w| (w[1].1 - w[0].1) as f64 / 1e6)
+        .collect()
+}
+
+fn wait_for_lines_within(path: &Path, n: usize, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while read_stamps(path).len() < n {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
+fn wait_for_lines(path: &Path, n: usize, timeout: Duration) {
+    assert!(
+        wait_for_lines_within(path, n, timeout),
+        "timed out waiting for {}",
+        path.display()
+    );
+}
+
+/// The (first) child of a process: the tool's command.
+fn child_pid(parent: u32) -> Option<u32> {
+    fs::read_dir("/proc")
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rfind(')')
+                    .and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(parent)
+                    && !fs::read_to_string(format!("/proc/{pid}/comm"))
+                        .is_ok_and(|c| c.trim() == "leaderrun-guard")
+            })
+        })
+}
+
+fn alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rfind(')')
+            .is_some_and(|i| !stat[i + 2..].starts_with('Z'))
+    })
+}
+
+fn status_kb(pid: u32, field: &str) -> u64 {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with(field))?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .collect();
+    // utime and stime: fields 14 and 15 of stat, 12 and 13 after the comm.
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+fn cpu_ticks_or_zero(pid: u32) -> u64 {
+    if fs::metadata(format!("/proc/{pid}")).is_ok() {
+        cpu_ticks(pid)
+    } else {
+        0
+    }
+}
+
+fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[((p / 100.0) * (sorted.len() - 1) as f64).round() as usize]
+}
+
+fn machine() -> String {
+    let cpu = fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let memory = fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines().next().map(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .unwrap_or("0")
+                    .parse::<u64>()
+                    .unwrap_or(0)
+                    / 1024
+                    / 1024
+            })
+        })
+        .unwrap_or(0);
+    let version = |cmd: &str, arg: &str| {
+        Command::new(cmd)
+            .arg(arg)
+            .output()
+            .ok()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_owned()
+            })
+            .unwrap_or_else(|| "not installed".into())
+    };
+    format!(
+        "Machine: {cores} cores ({cpu}), {memory} GiB, Linux {}; {}; {}; etcdctl {}; {}.",
+        kernel.trim(),
+        version("redis-server", "--version"),
+        version("etcd", "--version"),
+        version("etcdctl", "version").trim_start_matches("etcdctl version: "),
+        version("flock", "--version"),
+    )
+}
