@@ -583,29 +583,26 @@ impl Supervisor {
             path: &self.program,
             argv: &self.spec.command,
         };
-        let child = process::spawn(program, &self.child_env(Some(token)), None)?;
-        if let Some(guard) = &self.guard {
-            guard.watch(Some(child.pgid));
-        }
-        debug!(token, pid = child.pid.as_raw(), "child started");
-        Ok(child)
+        self.start(program, token, "child started")
     }
 
     /// `sh -c <claim command>`, with the command's environment.
     fn start_claim(&self, token: u64) -> std::io::Result<Child> {
         let (path, argv) = process::shell(self.spec.claim_cmd.as_deref().unwrap_or_default());
-        let child = process::spawn(
-            Program {
-                path: &path,
-                argv: &argv,
-            },
-            &self.child_env(Some(token)),
-            None,
-        )?;
+        let program = Program {
+            path: &path,
+            argv: &argv,
+        };
+        self.start(program, token, "claim command started")
+    }
+
+    /// Starts a process of the term and puts its group under the guard.
+    fn start(&self, program: Program<'_>, token: u64, started: &str) -> std::io::Result<Child> {
+        let child = process::spawn(program, &self.child_env(Some(token)), None)?;
         if let Some(guard) = &self.guard {
             guard.watch(Some(child.pgid));
         }
-        debug!(token, pid = child.pid.as_raw(), "claim command started");
+        debug!(token, pid = child.pid.as_raw(), "{started}");
         Ok(child)
     }
 
