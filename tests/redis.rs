@@ -150,6 +150,46 @@ fn a_redis_whose_run_id_changed_is_held_off_for_one_ttl() {
 }
 
 #[test]
+fn an_acquire_that_timed_out_but_ran_later_is_not_lost() {
+    // While Redis is paused, a follower's acquire times out in leaderrun but
+    // stays queued on the server, which runs it on resuming: the lease is
+    // then held by the follower's instance before the follower knows. Its
+    // next attempt must return that same token at once, not find the lease
+    // "held by someone" and wait out the ttl for a new one.
+    let server = ready_server();
+    let sandbox = Sandbox::new();
+    let leader = sandbox
+        .leaderrun_on(server.url(), "queued")
+        .sh("touch a-started; sleep 300")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let mut follower = sandbox
+        .leaderrun_on(server.url(), "queued")
+        .sh("echo $LEADERRUN_TOKEN > b-token")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_millis(300));
+    server.pause();
+    leader.signal(Signal::SIGKILL);
+    // Longer than the ttl: the dead leader's lease lapses while paused.
+    std::thread::sleep(Duration::from_millis(3000));
+    let resumed = Instant::now();
+    server.resume();
+    assert!(
+        wait_until(LONG, || !sandbox.read("b-token").is_empty()),
+        "{}",
+        follower.stderr()
+    );
+    let took = resumed.elapsed();
+    assert_eq!(sandbox.read("b-token").trim(), "2", "{}", follower.stderr());
+    assert!(
+        took < Duration::from_millis(1500),
+        "led {took:?} after the resume (ttl 2 s)"
+    );
+    assert_eq!(follower.wait(LONG), Some(0));
+}
+
+#[test]
 fn a_graceful_stop_hands_over_without_waiting_for_the_next_attempt() {
     let server = ready_server();
     let sandbox = Sandbox::new();
