@@ -297,23 +297,19 @@ impl RedisBackend {
         let ttl_ms = inner.ttl.as_millis() as u64;
         let ttl_secs = inner.ttl.as_secs() + u64::from(inner.ttl.subsec_nanos() > 0);
         let (code, token, text, ms): (i64, u64, String, i64) = self
-            .call(|mut conn| async move {
-                inner
-                    .scripts
-                    .acquire
-                    .key(&inner.lease_key)
-                    .key(&inner.counter_key)
-                    .key(&inner.candidates_key)
-                    .arg(&inner.id.instance)
-                    .arg(&inner.id.owner)
-                    .arg(ttl_ms)
-                    .arg(inner.highest_seen.load(Ordering::SeqCst))
-                    .arg(&known_run_id)
-                    .arg(ttl_secs)
-                    .arg(&inner.record)
-                    .invoke_async(&mut conn)
-                    .await
-            })
+            .run(
+                &inner.scripts.acquire,
+                &[&inner.lease_key, &inner.counter_key, &inner.candidates_key],
+                &[
+                    inner.id.instance.clone(),
+                    inner.id.owner.clone(),
+                    ttl_ms.to_string(),
+                    inner.highest_seen.load(Ordering::SeqCst).to_string(),
+                    known_run_id.to_string(),
+                    ttl_secs.to_string(),
+                    inner.record.clone(),
+                ],
+            )
             .await?;
         let remaining = Duration::from_millis(ms.max(0) as u64);
         match code {
@@ -358,19 +354,16 @@ impl RedisBackend {
         let inner = &self.inner;
         let ttl_ms = inner.ttl.as_millis() as u64;
         let (code, holder_token, owner): (i64, u64, String) = self
-            .call(|mut conn| async move {
-                inner
-                    .scripts
-                    .renew
-                    .key(&inner.lease_key)
-                    .key(&inner.candidates_key)
-                    .arg(&inner.id.instance)
-                    .arg(token)
-                    .arg(ttl_ms)
-                    .arg(&inner.record)
-                    .invoke_async(&mut conn)
-                    .await
-            })
+            .run(
+                &inner.scripts.renew,
+                &[&inner.lease_key, &inner.candidates_key],
+                &[
+                    inner.id.instance.clone(),
+                    token.to_string(),
+                    ttl_ms.to_string(),
+                    inner.record.clone(),
+                ],
+            )
             .await?;
         if code == 1 {
             return Ok(());
@@ -387,20 +380,17 @@ impl RedisBackend {
         let inner = &self.inner;
         let ttl_ms = inner.ttl.as_millis() as u64;
         let released: i64 = self
-            .call(|mut conn| async move {
-                inner
-                    .scripts
-                    .release
-                    .key(&inner.lease_key)
-                    .key(&inner.candidates_key)
-                    .arg(&inner.id.instance)
-                    .arg(token)
-                    .arg(&inner.channel)
-                    .arg(ttl_ms)
-                    .arg(&inner.record)
-                    .invoke_async(&mut conn)
-                    .await
-            })
+            .run(
+                &inner.scripts.release,
+                &[&inner.lease_key, &inner.candidates_key],
+                &[
+                    inner.id.instance.clone(),
+                    token.to_string(),
+                    inner.channel.clone(),
+                    ttl_ms.to_string(),
+                    inner.record.clone(),
+                ],
+            )
             .await?;
         Ok(released == 1)
     }
@@ -409,17 +399,15 @@ impl RedisBackend {
         let inner = &self.inner;
         let ttl_ms = inner.ttl.as_millis() as u64;
         let _: i64 = self
-            .call(|mut conn| async move {
-                inner
-                    .scripts
-                    .heartbeat
-                    .key(&inner.candidates_key)
-                    .arg(&inner.id.instance)
-                    .arg(ttl_ms)
-                    .arg(&inner.record)
-                    .invoke_async(&mut conn)
-                    .await
-            })
+            .run(
+                &inner.scripts.heartbeat,
+                &[&inner.candidates_key],
+                &[
+                    inner.id.instance.clone(),
+                    ttl_ms.to_string(),
+                    inner.record.clone(),
+                ],
+            )
             .await?;
         Ok(())
     }
@@ -427,15 +415,11 @@ impl RedisBackend {
     pub async fn withdraw(&self) -> Result<(), Unreachable> {
         let inner = &self.inner;
         let _: i64 = self
-            .call(|mut conn| async move {
-                inner
-                    .scripts
-                    .withdraw
-                    .key(&inner.candidates_key)
-                    .arg(&inner.id.instance)
-                    .invoke_async(&mut conn)
-                    .await
-            })
+            .run(
+                &inner.scripts.withdraw,
+                &[&inner.candidates_key],
+                std::slice::from_ref(&inner.id.instance),
+            )
             .await?;
         Ok(())
     }
@@ -448,15 +432,11 @@ impl RedisBackend {
         }
         let inner = &self.inner;
         let counter: u64 = self
-            .call(|mut conn| async move {
-                inner
-                    .scripts
-                    .advance
-                    .key(&inner.counter_key)
-                    .arg(floor)
-                    .invoke_async(&mut conn)
-                    .await
-            })
+            .run(
+                &inner.scripts.advance,
+                &[&inner.counter_key],
+                &[floor.to_string()],
+            )
             .await?;
         self.saw(counter);
         Ok(counter)
@@ -465,16 +445,11 @@ impl RedisBackend {
     pub async fn observe(&self) -> Result<Observation, Unreachable> {
         let inner = &self.inner;
         let (value, pttl, counter, candidates): (String, i64, u64, Vec<String>) = self
-            .call(|mut conn| async move {
-                inner
-                    .scripts
-                    .observe
-                    .key(&inner.lease_key)
-                    .key(&inner.counter_key)
-                    .key(&inner.candidates_key)
-                    .invoke_async(&mut conn)
-                    .await
-            })
+            .run(
+                &inner.scripts.observe,
+                &[&inner.lease_key, &inner.counter_key, &inner.candidates_key],
+                &[],
+            )
             .await?;
         let holder = parse_lease(&value).map(|(token, owner)| Holder {
             owner,
@@ -566,15 +541,24 @@ impl RedisBackend {
         Ok(connection)
     }
 
-    /// Runs one command; drops the connection after an error that leaves
-    /// its state unknown, so the next call reconnects.
-    async fn call<T, F, Fut>(&self, command: F) -> Result<T, Unreachable>
-    where
-        F: FnOnce(MultiplexedConnection) -> Fut,
-        Fut: Future<Output = redis::RedisResult<T>>,
-    {
-        let connection = self.connection().await.map_err(Failure::into_unreachable)?;
-        match command(connection).await {
+    /// Runs one script (EVALSHA, loaded again if the server forgot it);
+    /// drops the connection after an error that leaves its state unknown, so
+    /// the next call reconnects.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<T, Unreachable> {
+        let mut connection = self.connection().await.map_err(Failure::into_unreachable)?;
+        let mut invocation = script.prepare_invoke();
+        for key in keys {
+            invocation.key(*key);
+        }
+        for arg in args {
+            invocation.arg(arg);
+        }
+        match invocation.invoke_async(&mut connection).await {
             Ok(value) => Ok(value),
             Err(error) => {
                 if error.is_io_error()
