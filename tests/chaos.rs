@@ -430,6 +430,7 @@ struct Report {
     violations: Vec<String>,
     availability: f64,
     orphans: usize,
+    torn: usize,
 }
 
 impl std::fmt::Display for Report {
@@ -455,6 +456,9 @@ impl std::fmt::Display for Report {
             "children of two replicas overlapping: {total:.0} ms in all ({causes})"
         )?;
         writeln!(f, "processes left alive: {}", self.orphans)?;
+        if self.torn > 0 {
+            writeln!(f, "attempt lines cut short by a kill: {}", self.torn)?;
+        }
         write!(
             f,
             "availability: {:.1}% of the time served",
@@ -493,16 +497,20 @@ fn analyse(
     let text = std::fs::read_to_string(attempts).unwrap();
     let mut terms: BTreeMap<u32, Term> = BTreeMap::new();
     let mut served = Vec::new();
+    let mut torn = 0;
     for line in text.lines() {
         let f: Vec<&str> = line.split(' ').collect();
         let [t, token, accepted, pid, owner] = f[..] else {
             continue;
         };
-        let (t, token, pid): (u128, u64, u32) = (
-            t.parse().unwrap(),
-            token.parse().unwrap(),
-            pid.parse().unwrap(),
-        );
+        // A publisher killed at its term's end can leave a line without its
+        // time (the `date` it was running died first): count, don't parse.
+        let (Ok(t), Ok(token), Ok(pid)) =
+            (t.parse::<u128>(), token.parse::<u64>(), pid.parse::<u32>())
+        else {
+            torn += 1;
+            continue;
+        };
         let term = terms.entry(pid).or_insert(Term {
             owner: owner.to_owned(),
             token,
@@ -593,6 +601,7 @@ fn analyse(
         violations,
         availability,
         orphans,
+        torn,
     }
 }
 

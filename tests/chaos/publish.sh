@@ -11,7 +11,8 @@ n=0
 while [ "$stopping" = 0 ]; do
     n=$((n + 1))
     if setsid -w "$store" write "$LEADERRUN_OWNER #$n"; then accepted=1; else accepted=0; fi
-    echo "$(date +%s%N) $LEADERRUN_TOKEN $accepted $$ $LEADERRUN_OWNER" >> "$CHAOS_DIR/attempts"
+    now=$(date +%s%N) || exit 1
+    echo "$now $LEADERRUN_TOKEN $accepted $$ $LEADERRUN_OWNER" >> "$CHAOS_DIR/attempts"
     [ "$accepted" = 1 ] || exit 1
     sleep 0.05 &
     wait $! 2>/dev/null
