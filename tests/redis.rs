@@ -219,7 +219,7 @@ fn a_graceful_stop_hands_over_without_waiting_for_the_next_attempt() {
 }
 
 #[test]
-fn a_follower_resubscribes_after_its_notice_connection_is_killed() {
+fn a_follower_rejoins_the_line_after_its_connection_is_killed() {
     let server = ready_server();
     let sandbox = Sandbox::new();
     let _leader = sandbox
@@ -234,8 +234,20 @@ fn a_follower_resubscribes_after_its_notice_connection_is_killed() {
         .spawn();
     assert!(follower.wait_log("campaign started", LONG));
     std::thread::sleep(Duration::from_millis(500));
+    // The follower's place in line is the connection waiting in BLPOP.
+    let clients = match server.command(None, &["CLIENT", "LIST"]).unwrap() {
+        redis::Value::BulkString(bytes) => String::from_utf8(bytes).unwrap(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("CLIENT LIST answered {other:?}"),
+    };
+    let waiting: Vec<&str> = clients
+        .lines()
+        .filter(|line| line.contains("cmd=blpop"))
+        .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .collect();
+    assert_eq!(waiting.len(), 1, "{clients}");
     server
-        .command(None, &["CLIENT", "KILL", "TYPE", "pubsub"])
+        .command(None, &["CLIENT", "KILL", "ID", waiting[0]])
         .unwrap();
     std::thread::sleep(Duration::from_millis(500));
     let released = Instant::now();
@@ -523,4 +535,61 @@ fn no_wait_on_a_held_lease_gives_up_with_75_and_status_shows_the_holder() {
         .output()
         .unwrap();
     assert_eq!(closed.status.code(), Some(69));
+}
+
+/// Followers wait in a line, and a release wakes the one at its head. A
+/// follower that comes to lead by other means than a wake (here: the
+/// holder was killed, and on Redis its lease lapsed) must leave the line,
+/// or its own release would wake nobody: the next follower would wait for
+/// a poll. The second leader's claim is refused, so it releases and goes on
+/// running (a replica that exits frees its place anyway).
+#[test]
+fn a_leader_leaves_the_line_so_its_release_wakes_the_next() {
+    let server = ready_server();
+    for backend in ["file", "redis"] {
+        let sandbox = Sandbox::new();
+        let url = match backend {
+            "file" => sandbox.backend(),
+            _ => server.url().to_owned(),
+        };
+        let spawn = |claim: &str, script: &str| {
+            sandbox
+                .leaderrun_on(&url, "line")
+                // A follower's poll at the lease's expiry comes 5 s after
+                // the release at the soonest, its other polls 10 s after.
+                .args(["--ttl", "6s", "--renew-every", "1s"])
+                .args(["--campaign-every", "10s", "--claim-cmd", claim])
+                .sh(script)
+                .spawn()
+        };
+        let first = spawn("true", "touch first; exec sleep 300");
+        assert!(
+            wait_until(LONG, || sandbox.path("first").exists()),
+            "{backend}"
+        );
+        let second = spawn(
+            "touch second; while [ ! -e go ]; do sleep 0.01; done; date +%s%N > released; exit 1",
+            "sleep 300",
+        );
+        assert!(second.wait_log("campaign started", LONG), "{backend}");
+        std::thread::sleep(Duration::from_millis(500));
+        first.signal(Signal::SIGKILL);
+        assert!(
+            wait_until(LONG, || sandbox.path("second").exists()),
+            "{backend}"
+        );
+        let mut third = spawn("true", "date +%s%N > started");
+        assert!(third.wait_log("campaign started", LONG), "{backend}");
+        std::thread::sleep(Duration::from_millis(500));
+        std::fs::write(sandbox.path("go"), "").unwrap();
+        assert_eq!(third.wait(LONG), Some(0), "{backend}: {}", third.stderr());
+        second.signal(Signal::SIGTERM);
+        let released: u128 = sandbox.read("released").trim().parse().unwrap();
+        let started: u128 = sandbox.read("started").trim().parse().unwrap();
+        let gap = Duration::from_nanos(started.saturating_sub(released) as u64);
+        assert!(
+            gap < Duration::from_secs(1),
+            "{backend}: the third took {gap:?} after the second's release"
+        );
+    }
 }

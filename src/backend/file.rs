@@ -28,8 +28,11 @@
 //! in an earlier boot resumes above its reserved mark, never below a token
 //! that may have been handed out.
 //!
-//! Followers watch the file with inotify: the holder's release writes it and
-//! the holder's death closes it, and either wakes them at once.
+//! Followers wait in a line (see `Line`): the one at its head watches the
+//! file with inotify (the holder's release writes it and the holder's death
+//! closes it, and either wakes the head at once); the others wait in the
+//! kernel for the head's place. A release wakes one process, not every
+//! follower.
 //!
 //! Every descriptor is close-on-exec: an OFD lock lives as long as any
 //! descriptor of its open file description, so a child that inherited one
@@ -40,11 +43,11 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::fcntl::{AtFlags, OFlag};
-use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use nix::sys::stat::Mode;
 use tokio::io::unix::AsyncFd;
 use tracing::warn;
@@ -56,6 +59,8 @@ use crate::error::ConfigError;
 const SLOT: usize = 1024;
 /// Lock offsets, far past the record: advisory locks need no data there.
 const MUTEX_AT: i64 = 1 << 40;
+/// The followers' line: held by the head, queued for by the others.
+const LINE_AT: i64 = MUTEX_AT + 1;
 const LIVENESS_BASE: i64 = 1 << 41;
 /// Tokens stay below this so every liveness offset fits in an `off_t`.
 pub const MAX_TOKEN: u64 = 1 << 60;
@@ -65,10 +70,11 @@ const RESERVE: u64 = 1000;
 #[derive(Clone)]
 pub struct FileBackend {
     shared: Arc<Shared>,
-    /// Created on the first wait for a notice, so a replica that never
-    /// follows never pays for closing an inotify descriptor (milliseconds,
-    /// in the kernel's mark teardown). None inside: could not watch; poll.
+    /// Created when this replica first heads the line, so one that never
+    /// does never pays for closing an inotify descriptor (milliseconds, in
+    /// the kernel's mark teardown). None inside: could not watch; poll.
     notices: Arc<OnceLock<Option<AsyncFd<Watcher>>>>,
+    line: Arc<Line>,
 }
 
 struct Shared {
@@ -80,8 +86,11 @@ struct Shared {
     /// None for a read-only observer (`leaderrun status`).
     me: Option<Me>,
     boot_id: String,
-    /// The followers' watch, re-added when the file is replaced.
+    /// The head's watch, re-added when the file is replaced. Only the head
+    /// of the line watches: a watch left on would wake this process at
+    /// every write of the file.
     inotify: OnceLock<Arc<Inotify>>,
+    watching: Mutex<Option<WatchDescriptor>>,
     /// The open lease file, reopened if an operator replaces it. The mutex
     /// also keeps two calls of this process apart: OFD locks do not conflict
     /// within one open file description.
@@ -117,6 +126,7 @@ impl FileBackend {
             me: Some(Me { id, ttl, patience }),
             boot_id: boot_id(),
             inotify: OnceLock::new(),
+            watching: Mutex::new(None),
             file: Mutex::new(None),
         };
         let file = shared.open_lease_file().map_err(io_error)?;
@@ -124,6 +134,7 @@ impl FileBackend {
         Ok(FileBackend {
             shared: Arc::new(shared),
             notices: Arc::default(),
+            line: Arc::default(),
         })
     }
 
@@ -138,9 +149,11 @@ impl FileBackend {
                 me: None,
                 boot_id: boot_id(),
                 inotify: OnceLock::new(),
+                watching: Mutex::new(None),
                 file: Mutex::new(None),
             }),
             notices: Arc::default(),
+            line: Arc::default(),
         })
     }
 
@@ -149,12 +162,19 @@ impl FileBackend {
     // its own.
 
     pub async fn acquire(&self) -> Result<Attempt, Unreachable> {
-        self.blocking(|shared| {
-            let attempt = shared.acquire()?;
-            shared.beat(matches!(attempt, Attempt::Acquired { .. }));
-            Ok(attempt)
-        })
-        .await
+        let attempt = self
+            .blocking(|shared| {
+                let attempt = shared.acquire()?;
+                shared.beat(matches!(attempt, Attempt::Acquired { .. }));
+                Ok(attempt)
+            })
+            .await?;
+        if matches!(attempt, Attempt::Acquired { .. }) {
+            // A leader gives its place in line to the next follower.
+            self.line.leave();
+            self.shared.stop_watching();
+        }
+        Ok(attempt)
     }
 
     pub async fn renew(&self, token: u64) -> Result<(), RenewError> {
@@ -197,17 +217,19 @@ impl FileBackend {
         self.blocking(Shared::observe).await
     }
 
-    /// Waits for the lease file to be written (a release), closed by a writer
-    /// (a holder that exited or died) or replaced.
+    /// Waits for a turn to attempt. Behind the head of the line: until this
+    /// replica becomes the head (then at once, since a release may have
+    /// come before the watch). At the head: until the lease file is written
+    /// (a release), closed by a writer (a holder that exited or died) or
+    /// replaced.
     pub async fn notice(&self) {
+        if !self.line.follow(&self.shared) {
+            self.line.head.notified().await;
+            self.head_watch();
+            return;
+        }
         let Some(watching) = self.notices.get() else {
-            // The first wait: start watching, and return at once. The lease
-            // may have been released between the attempt that found it held
-            // and this watch; one more attempt catches that.
-            let watcher = self.watch().inspect_err(|e| {
-                warn!(error = %e, "cannot watch the lease file; followers fall back to polling");
-            });
-            let _ = self.notices.set(watcher.ok());
+            self.head_watch();
             return;
         };
         let Some(notices) = watching else {
@@ -218,10 +240,30 @@ impl FileBackend {
                 return;
             };
             match ready.get_inner().0.read_events() {
-                Ok(events) if !events.is_empty() => return,
+                Ok(events)
+                    if events
+                        .iter()
+                        .any(|e| !e.mask.contains(AddWatchFlags::IN_IGNORED)) =>
+                {
+                    return;
+                }
                 Err(nix::errno::Errno::EAGAIN) | Ok(_) => ready.clear_ready(),
                 Err(_) => return,
             }
+        }
+    }
+
+    /// Starts the head's watch (the inotify descriptor on first use).
+    fn head_watch(&self) {
+        let notices = self.notices.get_or_init(|| {
+            self.watch()
+                .inspect_err(|e| warn!(error = %e, "cannot watch the lease file; followers fall back to polling"))
+                .ok()
+        });
+        if notices.is_some()
+            && let Err(e) = self.shared.start_watching()
+        {
+            warn!(error = %e, "cannot watch the lease file; polling");
         }
     }
 
@@ -229,7 +271,6 @@ impl FileBackend {
         let inotify = Arc::new(Inotify::init(
             InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC,
         )?);
-        watch(&inotify, &self.shared.path())?;
         let _ = self.shared.inotify.set(inotify.clone());
         register(Watcher(inotify))
     }
@@ -248,6 +289,22 @@ impl FileBackend {
 }
 
 impl Shared {
+    fn start_watching(&self) -> io::Result<()> {
+        let Some(inotify) = self.inotify.get() else {
+            return Ok(());
+        };
+        let mut watching = self.watching.lock().unwrap_or_else(|e| e.into_inner());
+        *watching = Some(watch(inotify, &self.path())?);
+        Ok(())
+    }
+
+    fn stop_watching(&self) {
+        let mut watching = self.watching.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(inotify), Some(wd)) = (self.inotify.get(), watching.take()) {
+            let _ = inotify.rm_watch(wd);
+        }
+    }
+
     fn path(&self) -> PathBuf {
         self.dir_path.join(&self.name)
     }
@@ -527,9 +584,14 @@ impl Shared {
         loop {
             if slot.is_none() {
                 *slot = Some(self.open_lease_file().map_err(|e| self.io("open", e))?);
-                if let Some(inotify) = self.inotify.get() {
+                if self
+                    .watching
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_some()
+                {
                     // The old watch went with the old file.
-                    watch(inotify, &self.path()).map_err(|e| self.io("watch", e))?;
+                    self.start_watching().map_err(|e| self.io("watch", e))?;
                 }
             }
             let file = slot.as_ref().expect("opened above");
@@ -746,7 +808,7 @@ fn set_lock(file: &File, cmd: libc::c_int, kind: libc::c_int, start: i64) -> io:
 /// lock: a process stopped while holding it must not hang this one beyond
 /// the call's bound.
 fn lock_mutex(file: &File, patience: Instant) -> io::Result<()> {
-    let mut pause = Duration::from_micros(50);
+    let mut pause = Duration::from_micros(20);
     loop {
         match set_lock(file, libc::F_OFD_SETLK, libc::F_WRLCK, MUTEX_AT) {
             Ok(()) => return Ok(()),
@@ -758,7 +820,8 @@ fn lock_mutex(file: &File, patience: Instant) -> io::Result<()> {
                     ));
                 }
                 std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(5));
+                // Held for microseconds: never sleep long past its release.
+                pause = (pause * 2).min(Duration::from_millis(1));
             }
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
             Err(e) => return Err(e),
@@ -782,16 +845,111 @@ fn register(watcher: Watcher) -> io::Result<AsyncFd<Watcher>> {
         .map_err(|e| e.into())
 }
 
-fn watch(inotify: &Inotify, path: &Path) -> io::Result<()> {
-    inotify.add_watch(
+fn watch(inotify: &Inotify, path: &Path) -> io::Result<WatchDescriptor> {
+    Ok(inotify.add_watch(
         path,
         AddWatchFlags::IN_MODIFY
             | AddWatchFlags::IN_CLOSE_WRITE
             | AddWatchFlags::IN_ATTRIB
             | AddWatchFlags::IN_DELETE_SELF
             | AddWatchFlags::IN_MOVE_SELF,
-    )?;
-    Ok(())
+    )?)
+}
+
+/// The followers' line. Of the replicas waiting for a lease, one at a time,
+/// the head, watches the lease file and attempts when it changes; each of
+/// the others has a thread blocked in the kernel on the line byte, which the
+/// kernel grants to one of them when the head leaves it (it acquired the
+/// lease, or exited, or died). A release thus wakes one process: with 100
+/// followers, the herd that answered every release was what delayed the
+/// winner's child. Followers still poll at campaign_every and at a lease's
+/// known expiry, so a stuck head slows handover to that, never stops it.
+#[derive(Default)]
+struct Line {
+    state: Mutex<LineState>,
+    changed: Condvar,
+    /// Signalled when this replica becomes the head.
+    head: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct LineState {
+    following: bool,
+    head: bool,
+    queuing: bool,
+}
+
+impl Line {
+    /// Joins the line (once per campaign: the thread queues while
+    /// following). Returns whether this replica is the head.
+    fn follow(self: &Arc<Self>, shared: &Arc<Shared>) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if !state.following {
+            state.following = true;
+            self.changed.notify_all();
+        }
+        if !state.queuing {
+            state.queuing = true;
+            let (line, shared) = (self.clone(), shared.clone());
+            let spawned = std::thread::Builder::new()
+                .name("leaderrun-line".into())
+                .spawn(move || line.queue(&shared));
+            if let Err(e) = spawned {
+                // Without a place in line, watch like a head: more wake-ups,
+                // nothing missed.
+                warn!(error = %e, "cannot queue for the lease; watching it directly");
+                state.head = true;
+            }
+        }
+        state.head
+    }
+
+    /// Leaves the line (this replica leads now): the thread lets the next
+    /// follower have the head's place.
+    fn leave(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.following = false;
+        self.changed.notify_all();
+    }
+
+    /// The line thread: waits for the line byte while following, holds it as
+    /// head until this replica stops following, and queues again.
+    fn queue(&self, shared: &Shared) {
+        loop {
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            while !state.following {
+                state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(state);
+            // Opened for each turn, so a replaced lease file is queued on as
+            // it is now; close-on-exec like every descriptor here.
+            let place = shared.open_lease_file().and_then(|file| {
+                loop {
+                    match set_lock(&file, libc::F_OFD_SETLKW, libc::F_WRLCK, LINE_AT) {
+                        Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                        done => return done.map(|()| file),
+                    }
+                }
+            });
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let Ok(_place) = place.inspect_err(|e| {
+                warn!(error = %e, "cannot queue for the lease; watching it directly");
+            }) else {
+                state.head = true;
+                self.head.notify_one();
+                return;
+            };
+            if state.following {
+                state.head = true;
+                self.head.notify_one();
+                while state.following {
+                    state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+                }
+                state.head = false;
+            }
+            // Dropping `_place` closes it and gives the byte to the next.
+        }
+    }
 }
 
 /// Opens (and with `create`, makes) the state directory, refusing one that

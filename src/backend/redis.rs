@@ -5,7 +5,9 @@
 //!
 //! - `leaderrun:{KEY}:lease`: `"<token> <instance> <owner>"` with a PX expiry;
 //! - `leaderrun:{KEY}:counter`: the token counter (no expiry);
-//! - channel `leaderrun:{KEY}:released`: a release notice (the token).
+//! - `leaderrun:{KEY}:line`: the followers' line: a release leaves one wake
+//!   (the token) there, and the follower that has waited longest in `BLPOP`
+//!   takes it. A wake nobody takes lapses after a ttl.
 //!
 //! "Someone else holds it" and "could not ask" never mix: a script's answer
 //! is an `Attempt` or a `RenewError::Lost`, anything else (refused
@@ -26,11 +28,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use redis::aio::{MultiplexedConnection, PubSubSink, PubSubStream};
+use redis::aio::MultiplexedConnection;
 use redis::{
     AsyncConnectionConfig, Client, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, Script,
 };
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify};
 use tokio::time::Instant;
 
 use super::{Attempt, Candidate, Holder, Identity, Observation, RenewError, Unreachable};
@@ -39,9 +41,9 @@ use crate::spec::{RedisAddress, RedisUrl};
 
 /// Tokens are Lua numbers on the server: integers are exact below 2^53.
 pub const MAX_TOKEN: u64 = (1 << 53) - 1;
-/// How often an idle follower pings its notice connection, so a socket that
-/// died without a reset is noticed.
-const PING_EVERY: Duration = Duration::from_secs(5);
+/// How long a follower's `BLPOP` blocks before it asks again: a socket that
+/// died without a reset is noticed within this (plus a call timeout).
+const BLOCK_SECS: u64 = 5;
 
 /// Shared by the scripts that refresh the caller's candidate record in the
 /// hash `leaderrun:{KEY}:candidates` (field: instance; value: "<expires ms>
@@ -109,14 +111,17 @@ return {0, tonumber(token), owner}
 "#;
 
 const RELEASE: &str = r#"
--- KEYS: lease, candidates. ARGV: instance, token, channel, ttl_ms, record.
-beat(KEYS[2], ARGV[1], ARGV[4], 0, ARGV[5])
+-- KEYS: lease, candidates, line. ARGV: instance, token, ttl_ms, record.
+beat(KEYS[2], ARGV[1], ARGV[3], 0, ARGV[4])
 local current = redis.call('GET', KEYS[1])
 if current then
   local token, instance = string.match(current, '^(%d+) (%S+)')
   if instance == ARGV[1] and token == ARGV[2] then
     redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', ARGV[3], token)
+    -- One wake, for the follower first in line; never more than one.
+    redis.call('DEL', KEYS[3])
+    redis.call('RPUSH', KEYS[3], token)
+    redis.call('PEXPIRE', KEYS[3], ARGV[3])
     return 1
   end
 end
@@ -182,7 +187,7 @@ struct Inner {
     lease_key: String,
     counter_key: String,
     candidates_key: String,
-    channel: String,
+    line_key: String,
     id: Identity,
     /// "<since ms> <pid> <host> <owner>": this replica's candidate record.
     record: String,
@@ -190,8 +195,14 @@ struct Inner {
     call_timeout: Duration,
     /// The command connection, reopened after an I/O error or a timeout.
     commands: Mutex<Option<MultiplexedConnection>>,
-    /// The follower's subscription, kept across waits.
-    notices: Mutex<Option<Subscription>>,
+    /// The follower's place in line: a task that waits in `BLPOP` on a
+    /// connection of its own while this replica follows. Never cancelled by
+    /// a wait that ends (a wake it took would be lost); aborted when this
+    /// replica leads, which closes its connection and so its place.
+    line: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Signalled by the line task: a wake was taken, or the place is new
+    /// (a release may have come while there was none).
+    woken: Notify,
     /// The highest token this replica has seen, its own or a holder's.
     highest_seen: AtomicU64,
     /// The server's run id as last seen, and until when acquisition is held
@@ -204,12 +215,6 @@ struct Inner {
 struct ServerView {
     run_id: String,
     held_off_until: Option<Instant>,
-}
-
-struct Subscription {
-    sink: PubSubSink,
-    stream: PubSubStream,
-    pinged_at: Instant,
 }
 
 struct Scripts {
@@ -243,13 +248,14 @@ impl RedisBackend {
                 lease_key: format!("{prefix}:lease"),
                 counter_key: format!("{prefix}:counter"),
                 candidates_key: format!("{prefix}:candidates"),
-                channel: format!("{prefix}:released"),
+                line_key: format!("{prefix}:line"),
                 record: format!("{} {} {} {}", id.since_ms, id.pid, id.host, id.owner),
                 id,
                 ttl,
                 call_timeout,
                 commands: Mutex::new(None),
-                notices: Mutex::new(None),
+                line: std::sync::Mutex::new(None),
+                woken: Notify::new(),
                 highest_seen: AtomicU64::new(0),
                 server: std::sync::Mutex::new(ServerView::default()),
                 scripts: Scripts {
@@ -318,6 +324,7 @@ impl RedisBackend {
                 if !text.is_empty() {
                     self.inner.server.lock().unwrap().run_id = text;
                 }
+                self.leave_line();
                 Ok(Attempt::Acquired { token })
             }
             0 => {
@@ -382,11 +389,10 @@ impl RedisBackend {
         let released: i64 = self
             .run(
                 &inner.scripts.release,
-                &[&inner.lease_key, &inner.candidates_key],
+                &[&inner.lease_key, &inner.candidates_key, &inner.line_key],
                 &[
                     inner.id.instance.clone(),
                     token.to_string(),
-                    inner.channel.clone(),
                     ttl_ms.to_string(),
                     inner.record.clone(),
                 ],
@@ -468,56 +474,26 @@ impl RedisBackend {
         })
     }
 
-    /// Waits for a release notice on the lease's channel. The subscription
-    /// has its own connection and outlives each wait (a follower's wait is
-    /// cancelled by every timer); it is re-made after a drop, and pinged so
-    /// that a socket that died silently is noticed. A fresh subscription
-    /// returns at once: a release may have happened while there was none.
+    /// Waits for a wake from the line: a release handed to this replica,
+    /// or a new place in line. Joins the line on the first wait of a
+    /// campaign.
     pub async fn notice(&self) {
-        let inner = &self.inner;
-        let mut slot = inner.notices.lock().await;
-        if slot.is_none() {
-            match tokio::time::timeout(inner.call_timeout, self.subscribe()).await {
-                Ok(Ok(subscription)) => {
-                    *slot = Some(subscription);
-                    return;
-                }
-                // Try again at the next wait; until then, polling only.
-                _ => return std::future::pending().await,
+        {
+            let mut line = self.inner.line.lock().unwrap();
+            if line.as_ref().is_none_or(|task| task.is_finished()) {
+                *line = Some(tokio::spawn(queue(self.inner.clone())));
             }
         }
-        let subscription = slot.as_mut().expect("subscribed above");
-        use futures_util::StreamExt as _;
-        loop {
-            let ping_at = subscription.pinged_at + PING_EVERY;
-            tokio::select! {
-                message = subscription.stream.next() => {
-                    if message.is_none() {
-                        *slot = None;
-                    }
-                    return;
-                }
-                _ = tokio::time::sleep_until(ping_at) => {
-                    subscription.pinged_at = Instant::now();
-                    let ping = tokio::time::timeout(inner.call_timeout, subscription.sink.ping::<String>()).await;
-                    if !matches!(ping, Ok(Ok(_))) {
-                        *slot = None;
-                        return;
-                    }
-                }
-            }
-        }
+        self.inner.woken.notified().await;
     }
 
-    async fn subscribe(&self) -> redis::RedisResult<Subscription> {
-        let pubsub = self.inner.client.get_async_pubsub().await?;
-        let (mut sink, stream) = pubsub.split();
-        sink.subscribe(&self.inner.channel).await?;
-        Ok(Subscription {
-            sink,
-            stream,
-            pinged_at: Instant::now(),
-        })
+    /// Gives up this replica's place in line (it leads now): closing the
+    /// connection takes its `BLPOP` off the server, so the wake of its own
+    /// next release goes to a follower.
+    fn leave_line(&self) {
+        if let Some(task) = self.inner.line.lock().unwrap().take() {
+            task.abort();
+        }
     }
 
     /// Remembers a token seen on the server, so the counter is never let
@@ -569,6 +545,41 @@ impl RedisBackend {
                     *self.inner.commands.lock().await = None;
                 }
                 Err(Failure::from(error).into_unreachable())
+            }
+        }
+    }
+}
+
+/// The line task: waits in `BLPOP` on its own connection, made again after
+/// an error, and passes on every wake it takes.
+async fn queue(inner: Arc<Inner>) {
+    let config = inner
+        .config
+        .clone()
+        .set_response_timeout(Some(Duration::from_secs(BLOCK_SECS) + inner.call_timeout));
+    let mut failures = 0;
+    loop {
+        let connect = inner
+            .client
+            .get_multiplexed_async_connection_with_config(&config);
+        let Ok(Ok(mut connection)) = tokio::time::timeout(inner.call_timeout, connect).await else {
+            failures += 1;
+            tokio::time::sleep(Duration::from_millis(100 * failures.min(20))).await;
+            continue;
+        };
+        failures = 0;
+        inner.woken.notify_one();
+        loop {
+            let popped: redis::RedisResult<Option<(String, String)>> = redis::cmd("BLPOP")
+                .arg(&inner.line_key)
+                .arg(BLOCK_SECS)
+                .query_async(&mut connection)
+                .await;
+            match popped {
+                Ok(Some(_)) => inner.woken.notify_one(),
+                // Timed out: the connection is alive; wait again.
+                Ok(None) => {}
+                Err(_) => break,
             }
         }
     }
