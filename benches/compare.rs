@@ -12,7 +12,8 @@
 //!
 //! Run with `cargo bench --bench compare`. `LEADERRUN_BENCH_N` sets the
 //! samples per measure (default 200); `LEADERRUN_BENCH_SCALE=0` skips the
-//! scale runs. The children are `benches/stamp.c`, compiled here: a static C
+//! scale runs and `LEADERRUN_BENCH_ROWS=0` the side-by-side rows (a partial
+//! run prints its table but leaves `docs/benchmarks.md` alone). The children are `benches/stamp.c`, compiled here: a static C
 //! program that writes CLOCK_MONOTONIC (shared by every process on the host)
 //! as its first and last actions, so no shell start-up is counted.
 
@@ -32,6 +33,7 @@ const TTL_SECS: u64 = 6;
 fn main() {
     let samples: usize = env_number("LEADERRUN_BENCH_N").unwrap_or(200);
     let scale = env_number("LEADERRUN_BENCH_SCALE").unwrap_or(1) != 0;
+    let rows = env_number("LEADERRUN_BENCH_ROWS").unwrap_or(1) != 0;
     let dir = tempfile::Builder::new()
         .prefix("leaderrun-bench-")
         .tempdir()
@@ -60,7 +62,9 @@ fn main() {
         name: "leaderrun (file)",
         kind: Kind::Leaderrun(format!("file:{}", dir.path().join("state").display())),
     };
-    out += &bench.row(&file, samples);
+    if rows {
+        out += &bench.row(&file, samples);
+    }
     let redis = Server::redis(dir.path());
     let bench = Bench {
         redis_port: redis.port,
@@ -70,35 +74,46 @@ fn main() {
         name: "leaderrun (redis)",
         kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", redis.port)),
     };
-    out += &bench.row(&on_redis, samples);
-    if let Some(etcd) = Server::etcd(dir.path()) {
-        let etcdctl = Tool {
-            name: "etcdctl lock",
-            kind: Kind::Etcdctl(format!("http://127.0.0.1:{}", etcd.port)),
-        };
-        out += &bench.row(&etcdctl, samples);
-    } else {
-        let _ = writeln!(out, "| etcdctl lock | not installed | | | | | | | | |");
+    if rows {
+        bench.rows(&mut out, &on_redis, samples);
     }
-    let flock = Tool {
-        name: "flock",
-        kind: Kind::Flock(dir.path().join("flock.lock")),
-    };
-    out += &bench.row(&flock, samples);
-    let _ = writeln!(
-        out,
-        "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). crash failover beyond ttl: how long after the lease (or session) could lapse the follower's child started, after `kill -9` of the holder ({TTL_SECS} s ttl for every tool); `flock` has no ttl. child after kill -9: whether the killed holder's child went on running. idle follower: a process waiting on a held lease, over 6 s; backend requests counted by the server (Redis: commands, including those run by scripts)."
-    );
-
     if scale {
         eprintln!("measuring scale");
         bench.scale(&mut out, redis.port);
     }
     print!("{out}");
-    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/benchmarks.md");
-    fs::create_dir_all(docs.parent().unwrap()).unwrap();
-    fs::write(&docs, &out).unwrap();
-    eprintln!("written to {}", docs.display());
+    if rows && scale {
+        let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/benchmarks.md");
+        fs::create_dir_all(docs.parent().unwrap()).unwrap();
+        fs::write(&docs, &out).unwrap();
+        eprintln!("written to {}", docs.display());
+    }
+}
+
+impl Bench {
+    /// The rows after the file backend's: Redis, etcdctl lock, flock.
+    fn rows(&self, out: &mut String, on_redis: &Tool, samples: usize) {
+        let dir = self.dir.as_path();
+        *out += &self.row(on_redis, samples);
+        if let Some(etcd) = Server::etcd(dir) {
+            let etcdctl = Tool {
+                name: "etcdctl lock",
+                kind: Kind::Etcdctl(format!("http://127.0.0.1:{}", etcd.port)),
+            };
+            *out += &self.row(&etcdctl, samples);
+        } else {
+            let _ = writeln!(out, "| etcdctl lock | not installed | | | | | | | | |");
+        }
+        let flock = Tool {
+            name: "flock",
+            kind: Kind::Flock(dir.join("flock.lock")),
+        };
+        *out += &self.row(&flock, samples);
+        let _ = writeln!(
+            out,
+            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). crash failover beyond ttl: how long after the lease (or session) could lapse the follower's child started, after `kill -9` of the holder ({TTL_SECS} s ttl for every tool); `flock` has no ttl. child after kill -9: whether the killed holder's child went on running. idle follower: a process waiting on a held lease, over 6 s; backend requests counted by the server (Redis: commands, including those run by scripts)."
+        );
+    }
 }
 
 fn env_number(name: &str) -> Option<usize> {
@@ -272,7 +287,7 @@ impl Bench {
     fn row(&self, tool: &Tool, samples: usize) -> String {
         eprintln!("measuring {}", tool.name);
         let cycle = self.cycle(tool, samples);
-        let handover = self.handover(tool, samples);
+        let handover = self.handover(tool, samples, 20);
         // flock's answer is the same every time (the killed holder's child
         // keeps the lock), and etcd's takes a ttl per sample.
         let failover_samples = match tool.kind {
@@ -326,13 +341,17 @@ impl Bench {
             .collect()
     }
 
-    /// Replicas queue up on one key; each child stamps, holds 20 ms, stamps
-    /// and exits, and the next replica (already waiting) takes over.
-    fn handover(&self, tool: &Tool, samples: usize) -> Vec<f64> {
+    /// Replicas queue up on one key; each child stamps, holds `hold_ms`,
+    /// stamps and exits, and the next replica (already waiting) takes over.
+    fn handover(&self, tool: &Tool, samples: usize, hold_ms: i64) -> Vec<f64> {
         let stamps = self
             .dir
             .join(format!("{}-handover.stamps", slug(tool.name)));
-        let spawn = || self.stamped(tool, "handover", &stamps, 20).spawn().unwrap();
+        let spawn = || {
+            self.stamped(tool, "handover", &stamps, hold_ms)
+                .spawn()
+                .unwrap()
+        };
         let mut queue: VecDeque<Child> = (0..3).map(|_| spawn()).collect();
         for round in 0..samples {
             let mut holder = queue.pop_front().unwrap();
@@ -487,7 +506,7 @@ impl Bench {
     fn scale(&self, out: &mut String, redis_port: u16) {
         let _ = writeln!(
             out,
-            "\n## Scale\n\n| scenario | handover p50 | handover p99 | CPU of all followers, ms/s | Redis CPU, ms/s | Redis commands/s |\n|---|---|---|---|---|---|"
+            "\n## Scale\n\n| scenario | handover p50 | handover p99 | host CPU busy, ms/s | Redis CPU, ms/s | Redis commands/s |\n|---|---|---|---|---|---|"
         );
         for (name, url) in [
             (
@@ -503,54 +522,67 @@ impl Bench {
                 name: "scale",
                 kind: Kind::Leaderrun(url.clone()),
             };
-            let stamps = self.dir.join(format!("{}.stamps", slug(name)));
-            // Every follower's child holds 100 ms, so each of 30 handovers is
-            // contested by the others still waiting.
-            let mut replicas: Vec<Child> = (0..101)
-                .map(|_| self.stamped(&tool, "crowd", &stamps, 100).spawn().unwrap())
-                .collect();
-            wait_for_lines(&stamps, 1, Duration::from_secs(60));
-            std::thread::sleep(Duration::from_secs(3)); // everyone is waiting
-            let pids: Vec<u32> = replicas.iter().map(Child::id).collect();
-            let cpu_before: u64 = pids.iter().map(|p| cpu_ticks_or_zero(*p)).sum();
-            let redis_before = url.starts_with("redis").then(|| {
-                (
+            let mut handover = Vec::new();
+            let (mut host_ms, mut redis_ms, mut commands, mut seconds) = (0.0, 0.0, 0.0, 0.0);
+            for round in 0..3 {
+                let stamps = self.dir.join(format!("{}-{round}.stamps", slug(name)));
+                // The first leader holds 5 s while the 100 others start and
+                // line up, so their start-up is not measured; then every
+                // child holds 100 ms, and each of 30 handovers is contested
+                // by the others still waiting.
+                let mut replicas =
+                    vec![self.stamped(&tool, "crowd", &stamps, 5000).spawn().unwrap()];
+                wait_for_lines(&stamps, 1, Duration::from_secs(60));
+                replicas.extend(
+                    (0..100).map(|_| self.stamped(&tool, "crowd", &stamps, 100).spawn().unwrap()),
+                );
+                wait_for_lines(&stamps, 2, Duration::from_secs(60));
+                let host_before = host_busy_ms();
+                let redis_before = (
                     redis_cpu_ms(redis_port),
                     redis_info(redis_port, "stats", "total_commands_processed:"),
-                )
-            });
-            let started = Instant::now();
-            wait_for_lines(&stamps, 2 * 30, Duration::from_secs(120));
-            let elapsed = started.elapsed().as_secs_f64();
-            let cpu_after: u64 = pids.iter().map(|p| cpu_ticks_or_zero(*p)).sum();
-            let redis = redis_before.map(|(cpu, commands)| {
-                (
-                    (redis_cpu_ms(redis_port) - cpu) / elapsed,
-                    (redis_info(redis_port, "stats", "total_commands_processed:") - commands)
-                        / elapsed,
-                )
-            });
-            for child in &mut replicas {
-                if let Some(pid) = child_pid(child.id()) {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid as i32),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
+                );
+                let started = Instant::now();
+                wait_for_lines(&stamps, 2 + 2 * 30, Duration::from_secs(120));
+                seconds += started.elapsed().as_secs_f64();
+                host_ms += host_busy_ms() - host_before;
+                if url.starts_with("redis") {
+                    redis_ms += redis_cpu_ms(redis_port) - redis_before.0;
+                    commands += redis_info(redis_port, "stats", "total_commands_processed:")
+                        - redis_before.1;
                 }
-                let _ = child.kill();
+                for child in &mut replicas {
+                    if let Some(pid) = child_pid(child.id()) {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid as i32),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                    let _ = child.kill();
+                }
+                for child in &mut replicas {
+                    let _ = child.wait();
+                }
+                // The 30 handovers of the window, each to one of 70-100 waiting.
+                handover.extend(gaps(&stamps).into_iter().take(30));
             }
-            for child in &mut replicas {
-                let _ = child.wait();
-            }
-            let handover = gaps(&stamps);
+            let redis = url.starts_with("redis");
             let _ = writeln!(
                 out,
-                "| {name} | {:.2} | {:.2} | {:.1} | {} | {} |",
+                "| {name} | {:.2} | {:.2} | {:.0} | {} | {} |",
                 percentile(&handover, 50.0),
                 percentile(&handover, 99.0),
-                (cpu_after - cpu_before) as f64 * 10.0 / elapsed,
-                redis.map_or("n/a".into(), |(cpu, _)| format!("{cpu:.1}")),
-                redis.map_or("n/a".into(), |(_, commands)| format!("{commands:.0}")),
+                host_ms / seconds,
+                if redis {
+                    format!("{:.1}", redis_ms / seconds)
+                } else {
+                    "n/a".into()
+                },
+                if redis {
+                    format!("{:.0}", commands / seconds)
+                } else {
+                    "n/a".into()
+                },
             );
         }
 
@@ -576,7 +608,7 @@ impl Bench {
         let redis_cpu = (redis_cpu_ms(redis_port) - cpu) / 10.0;
         let redis_commands =
             (redis_info(redis_port, "stats", "total_commands_processed:") - commands) / 10.0;
-        let handover = self.handover(&tool, 50);
+        let handover = self.handover(&tool, 200, 100);
         let rss: u64 = leaders
             .iter()
             .take(20)
@@ -603,7 +635,7 @@ impl Bench {
         );
         let _ = writeln!(
             out,
-            "\nleaderrun runs one key per process: 1,000 keys are 1,000 supervisors (RSS {:.1} MB each, most of it shared pages of the binary and libc). Handovers in the crowd scenarios are between children that hold 100 ms each; Redis CPU is the server's own user+system time.",
+            "\nleaderrun runs one key per process: 1,000 keys are 1,000 supervisors (RSS {:.1} MB each, most of it shared pages of the binary and libc). Handovers in these scenarios are between children that hold 100 ms each (the 100-follower rows pool 3 rounds of 30 handovers; the 1,000-key row has 200), so the start-up of the harness's replacement replicas does not overlap the next handover. Host CPU is every core's busy time over the handovers (leaderrun, Redis, the harness), from /proc/stat; Redis CPU is the server's own user+system time.",
             rss as f64 / 1024.0
         );
     }
@@ -687,7 +719,7 @@ fn wait_for_lines_within(path: &Path, n: usize, timeout: Duration) -> bool {
         if Instant::now() >= deadline {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(1));
+        std::thread::sleep(Duration::from_millis(5));
     }
     true
 }
@@ -746,12 +778,16 @@ fn cpu_ticks(pid: u32) -> u64 {
     fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }
 
-fn cpu_ticks_or_zero(pid: u32) -> u64 {
-    if fs::metadata(format!("/proc/{pid}")).is_ok() {
-        cpu_ticks(pid)
-    } else {
-        0
-    }
+/// CPU time (ms) the whole host has spent busy, over every core.
+fn host_busy_ms() -> f64 {
+    let stat = fs::read_to_string("/proc/stat").unwrap();
+    let ticks: Vec<u64> = stat.lines().next().unwrap()[3..]
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    // user nice system idle iowait irq softirq steal ...: all but idle, iowait.
+    let busy: u64 = ticks.iter().take(8).sum::<u64>() - ticks[3] - ticks[4];
+    busy as f64 * 10.0
 }
 
 fn percentile(values: &[f64], p: f64) -> f64 {

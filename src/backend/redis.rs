@@ -576,7 +576,11 @@ async fn queue(inner: Arc<Inner>) {
                 .query_async(&mut connection)
                 .await;
             match popped {
-                Ok(Some(_)) => inner.woken.notify_one(),
+                Ok(Some(_)) => {
+                    inner.woken.notify_one();
+                    // Let the attempt go out before this replica queues again.
+                    tokio::task::yield_now().await;
+                }
                 // Timed out: the connection is alive; wait again.
                 Ok(None) => {}
                 Err(_) => break,
