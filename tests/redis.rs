@@ -593,3 +593,45 @@ fn a_leader_leaves_the_line_so_its_release_wakes_the_next() {
         );
     }
 }
+
+/// An ACL user that may not BLPOP has no place in line: followers fall back
+/// to polling, and the line task backs off instead of spinning.
+#[test]
+fn a_user_without_blpop_polls_and_does_not_spin() {
+    let server = RedisServer::start_with(&[
+        "--user", "app", "on", ">s3cret", "~*", "&*", "+@all", "-blpop",
+    ]);
+    server.wait_uptime(Some("app:s3cret"), 2);
+    let sandbox = Sandbox::new();
+    let url = server.url().replacen("://", "://app:s3cret@", 1);
+    let _leader = sandbox
+        .leaderrun_on(&url, "acl")
+        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let mut follower = sandbox
+        .leaderrun_on(&url, "acl")
+        .sh("touch b-started")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_secs(3));
+    let stats = match server.command(None, &["INFO", "commandstats"]).unwrap() {
+        redis::Value::BulkString(bytes) => String::from_utf8(bytes).unwrap(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("INFO answered {other:?}"),
+    };
+    let refused: u64 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_blpop:"))
+        .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("rejected_calls=")))
+        .map_or(0, |n| n.parse().unwrap());
+    // Asked, refused, and backing off to 2 s: a handful in 3 s, not
+    // thousands.
+    assert!(
+        (1..=10).contains(&refused),
+        "{refused} BLPOPs refused in 3 s\n{stats}"
+    );
+    std::fs::write(sandbox.path("stop"), "").unwrap();
+    assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
+    assert!(sandbox.path("b-started").exists());
+}

@@ -551,23 +551,27 @@ impl RedisBackend {
 }
 
 /// The line task: waits in `BLPOP` on its own connection, made again after
-/// an error, and passes on every wake it takes.
+/// an error, and passes on every wake it takes. Failures back off (up to
+/// 2 s), also when the connection is made but `BLPOP` is refused (an ACL
+/// without it), so a broken line never spins.
 async fn queue(inner: Arc<Inner>) {
     let config = inner
         .config
         .clone()
         .set_response_timeout(Some(Duration::from_secs(BLOCK_SECS) + inner.call_timeout));
-    let mut failures = 0;
+    let mut failures: u64 = 0;
     loop {
+        if failures > 0 {
+            tokio::time::sleep(Duration::from_millis(100 * failures.min(20))).await;
+        }
+        failures += 1;
         let connect = inner
             .client
             .get_multiplexed_async_connection_with_config(&config);
         let Ok(Ok(mut connection)) = tokio::time::timeout(inner.call_timeout, connect).await else {
-            failures += 1;
-            tokio::time::sleep(Duration::from_millis(100 * failures.min(20))).await;
             continue;
         };
-        failures = 0;
+        // A new place in line: a release may have come while there was none.
         inner.woken.notify_one();
         loop {
             let popped: redis::RedisResult<Option<(String, String)>> = redis::cmd("BLPOP")
@@ -577,13 +581,17 @@ async fn queue(inner: Arc<Inner>) {
                 .await;
             match popped {
                 Ok(Some(_)) => {
+                    failures = 0;
                     inner.woken.notify_one();
                     // Let the attempt go out before this replica queues again.
                     tokio::task::yield_now().await;
                 }
                 // Timed out: the connection is alive; wait again.
-                Ok(None) => {}
-                Err(_) => break,
+                Ok(None) => failures = 0,
+                Err(error) => {
+                    tracing::debug!(error = %error, "the follower's line connection failed");
+                    break;
+                }
             }
         }
     }
