@@ -551,18 +551,7 @@ impl Bench {
                     commands += redis_info(redis_port, "stats", "total_commands_processed:")
                         - redis_before.1;
                 }
-                for child in &mut replicas {
-                    if let Some(pid) = child_pid(child.id()) {
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(pid as i32),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
-                    let _ = child.kill();
-                }
-                for child in &mut replicas {
-                    let _ = child.wait();
-                }
+                kill_all(&mut replicas);
                 // The 30 handovers of the window, each to one of 70-100 waiting.
                 handover.extend(gaps(&stamps).into_iter().take(30));
             }
@@ -615,18 +604,7 @@ impl Bench {
             .map(|c| status_kb(c.id(), "VmRSS:"))
             .sum::<u64>()
             / 20;
-        for child in &mut leaders {
-            if let Some(pid) = child_pid(child.id()) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            let _ = child.kill();
-        }
-        for child in &mut leaders {
-            let _ = child.wait();
-        }
+        kill_all(&mut leaders);
         let _ = writeln!(
             out,
             "| redis, 1,000 keys each led by its own leaderrun (+ a handover on another key) | {:.2} | {:.2} | n/a | {redis_cpu:.1} | {redis_commands:.0} |",
@@ -638,6 +616,22 @@ impl Bench {
             "\nleaderrun runs one key per process: 1,000 keys are 1,000 supervisors (RSS {:.1} MB each, most of it shared pages of the binary and libc). Handovers in these scenarios are between children that hold 100 ms each (the 100-follower rows pool 3 rounds of 30 handovers; the 1,000-key row has 200), so the start-up of the harness's replacement replicas does not overlap the next handover. Host CPU is every core's busy time over the handovers (leaderrun, Redis, the harness), from /proc/stat; Redis CPU is the server's own user+system time.",
             rss as f64 / 1024.0
         );
+    }
+}
+
+/// Kills every replica and its command, and reaps the replicas.
+fn kill_all(replicas: &mut [Child]) {
+    for child in replicas.iter_mut() {
+        if let Some(pid) = child_pid(child.id()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let _ = child.kill();
+    }
+    for child in replicas.iter_mut() {
+        let _ = child.wait();
     }
 }
 

@@ -235,11 +235,7 @@ fn a_follower_rejoins_the_line_after_its_connection_is_killed() {
     assert!(follower.wait_log("campaign started", LONG));
     std::thread::sleep(Duration::from_millis(500));
     // The follower's place in line is the connection waiting in BLPOP.
-    let clients = match server.command(None, &["CLIENT", "LIST"]).unwrap() {
-        redis::Value::BulkString(bytes) => String::from_utf8(bytes).unwrap(),
-        redis::Value::VerbatimString { text, .. } => text,
-        other => panic!("CLIENT LIST answered {other:?}"),
-    };
+    let clients = text(server.command(None, &["CLIENT", "LIST"]).unwrap());
     let waiting: Vec<&str> = clients
         .lines()
         .filter(|line| line.contains("cmd=blpop"))
@@ -366,10 +362,8 @@ fn a_paused_redis_ends_the_term_before_the_deadline_and_leaderrun_leads_again() 
 
 #[test]
 fn acl_users_and_passwords_authenticate_and_a_wrong_one_is_a_clear_error() {
-    let server = RedisServer::start_with(&["--user", "app", "on", ">s3cret", "~*", "&*", "+@all"]);
-    server.wait_uptime(Some("app:s3cret"), 2);
+    let (server, url) = acl_server(&[]);
     let sandbox = Sandbox::new();
-    let url = server.url().replacen("://", "://app:s3cret@", 1);
     let out = sandbox
         .leaderrun_on(&url, "acl")
         .sh("echo $LEADERRUN_TOKEN")
@@ -598,12 +592,8 @@ fn a_leader_leaves_the_line_so_its_release_wakes_the_next() {
 /// to polling, and the line task backs off instead of spinning.
 #[test]
 fn a_user_without_blpop_polls_and_does_not_spin() {
-    let server = RedisServer::start_with(&[
-        "--user", "app", "on", ">s3cret", "~*", "&*", "+@all", "-blpop",
-    ]);
-    server.wait_uptime(Some("app:s3cret"), 2);
+    let (server, url) = acl_server(&["-blpop"]);
     let sandbox = Sandbox::new();
-    let url = server.url().replacen("://", "://app:s3cret@", 1);
     let _leader = sandbox
         .leaderrun_on(&url, "acl")
         .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
@@ -615,11 +605,7 @@ fn a_user_without_blpop_polls_and_does_not_spin() {
         .spawn();
     assert!(follower.wait_log("campaign started", LONG));
     std::thread::sleep(Duration::from_secs(3));
-    let stats = match server.command(None, &["INFO", "commandstats"]).unwrap() {
-        redis::Value::BulkString(bytes) => String::from_utf8(bytes).unwrap(),
-        redis::Value::VerbatimString { text, .. } => text,
-        other => panic!("INFO answered {other:?}"),
-    };
+    let stats = text(server.command(None, &["INFO", "commandstats"]).unwrap());
     let refused: u64 = stats
         .lines()
         .find_map(|l| l.strip_prefix("cmdstat_blpop:"))
@@ -634,4 +620,24 @@ fn a_user_without_blpop_polls_and_does_not_spin() {
     std::fs::write(sandbox.path("stop"), "").unwrap();
     assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
     assert!(sandbox.path("b-started").exists());
+}
+
+/// A server's text answer (CLIENT LIST, INFO).
+fn text(value: redis::Value) -> String {
+    match value {
+        redis::Value::BulkString(bytes) => String::from_utf8(bytes).unwrap(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("expected text, got {other:?}"),
+    }
+}
+
+/// A server with an ACL user `app` (password `s3cret`, every command but
+/// those in `less`), up long enough to acquire from, and its URL as `app`.
+fn acl_server(less: &[&str]) -> (RedisServer, String) {
+    let mut args = vec!["--user", "app", "on", ">s3cret", "~*", "&*", "+@all"];
+    args.extend(less);
+    let server = RedisServer::start_with(&args);
+    server.wait_uptime(Some("app:s3cret"), 2);
+    let url = server.url().replacen("://", "://app:s3cret@", 1);
+    (server, url)
 }
