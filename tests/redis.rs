@@ -362,7 +362,7 @@ fn a_paused_redis_ends_the_term_before_the_deadline_and_leaderrun_leads_again() 
 
 #[test]
 fn acl_users_and_passwords_authenticate_and_a_wrong_one_is_a_clear_error() {
-    let (server, url) = acl_server(&[]);
+    let (server, url) = acl_server(&["~*", "&*", "+@all"]);
     let sandbox = Sandbox::new();
     let out = sandbox
         .leaderrun_on(&url, "acl")
@@ -592,7 +592,7 @@ fn a_leader_leaves_the_line_so_its_release_wakes_the_next() {
 /// to polling, and the line task backs off instead of spinning.
 #[test]
 fn a_user_without_blpop_polls_and_does_not_spin() {
-    let (server, url) = acl_server(&["-blpop"]);
+    let (server, url) = acl_server(&["~*", "&*", "+@all", "-blpop"]);
     let sandbox = Sandbox::new();
     let _leader = sandbox
         .leaderrun_on(&url, "acl")
@@ -631,13 +631,68 @@ fn text(value: redis::Value) -> String {
     }
 }
 
-/// A server with an ACL user `app` (password `s3cret`, every command but
-/// those in `less`), up long enough to acquire from, and its URL as `app`.
-fn acl_server(less: &[&str]) -> (RedisServer, String) {
-    let mut args = vec!["--user", "app", "on", ">s3cret", "~*", "&*", "+@all"];
-    args.extend(less);
+/// A server with an ACL user `app` (password `s3cret`, with these `rules`),
+/// up long enough to acquire from, and its URL as `app`.
+fn acl_server(rules: &[&str]) -> (RedisServer, String) {
+    let mut args = vec!["--user", "app", "on", ">s3cret"];
+    args.extend(rules);
     let server = RedisServer::start_with(&args);
     server.wait_uptime(Some("app:s3cret"), 2);
     let url = server.url().replacen("://", "://app:s3cret@", 1);
     (server, url)
+}
+
+/// The README's least-privilege ACL, word for word: a leader, a follower
+/// woken from the line, status and the candidates' withdrawal all work
+/// with it, and Redis logs no denied command.
+#[test]
+fn the_readme_least_privilege_acl_is_enough() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let line = readme
+        .lines()
+        .find(|l| l.starts_with("    ACL SETUSER leaderrun on >PASSWORD "))
+        .expect("the README's ACL line");
+    let rules: Vec<&str> = line
+        .trim()
+        .strip_prefix("ACL SETUSER leaderrun on >PASSWORD ")
+        .unwrap()
+        .split(' ')
+        .collect();
+    let (server, url) = acl_server(&rules);
+    let sandbox = Sandbox::new();
+    let leader = sandbox
+        .leaderrun_on(&url, "least")
+        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let mut follower = sandbox
+        .leaderrun_on(&url, "least")
+        .args(["--campaign-every", "10s"])
+        .sh("echo $LEADERRUN_TOKEN > b-token")
+        .spawn();
+    assert!(follower.wait_log("campaign started", LONG));
+    std::thread::sleep(Duration::from_millis(500));
+    let status = std::process::Command::new(common::BIN)
+        .args(["status", "--backend", &url, "--key", "least"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&status.stdout);
+    assert_eq!(status.status.code(), Some(0), "{shown}");
+    assert!(shown.contains("candidates: 2"), "{shown}");
+    let released = Instant::now();
+    std::fs::write(sandbox.path("stop"), "").unwrap();
+    assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
+    assert!(
+        released.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        released.elapsed()
+    );
+    assert_eq!(sandbox.read("b-token").trim(), "2");
+    drop(leader);
+    let log = server.command(None, &["ACL", "LOG"]).unwrap();
+    assert!(
+        matches!(&log, redis::Value::Array(entries) if entries.is_empty()),
+        "denied: {log:?}"
+    );
 }
