@@ -416,7 +416,10 @@ impl Supervisor {
             self.start_command(token)
         };
         let child = match first {
-            Ok(child) => child,
+            Ok(child) => {
+                self.backend.leading();
+                child
+            }
             Err(error) => {
                 warn!(token, error = %error, "cannot start the {}", if claiming { "claim command" } else { "command" });
                 self.release(token).await;
@@ -730,6 +733,7 @@ impl Supervisor {
     }
 
     async fn release(&self, token: u64) {
+        self.backend.leading();
         match self.backend.release(token).await {
             Ok(true) => info!(token, "lease released"),
             Ok(false) => info!(token, "lease already lapsed; nothing to release"),

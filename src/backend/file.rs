@@ -169,11 +169,6 @@ impl FileBackend {
                 Ok(attempt)
             })
             .await?;
-        if matches!(attempt, Attempt::Acquired { .. }) {
-            // A leader gives its place in line to the next follower.
-            self.line.leave();
-            self.shared.stop_watching();
-        }
         Ok(attempt)
     }
 
@@ -251,6 +246,12 @@ impl FileBackend {
                 Err(_) => return,
             }
         }
+    }
+
+    /// Gives this replica's place in line to the next follower (it leads).
+    pub fn leave_line(&self) {
+        self.line.leave();
+        self.shared.stop_watching();
     }
 
     /// Starts the head's watch (the inotify descriptor on first use).

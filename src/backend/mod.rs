@@ -254,6 +254,19 @@ impl Backend {
         .await
     }
 
+    /// This replica leads and its term's first process has started. On the
+    /// file backend it now gives its place in line to the next follower:
+    /// not at the acquisition, so that the next follower's wake-up does not
+    /// compete with that start. Called again before every release, since
+    /// the place must be given up before the release can wake anyone.
+    /// (A Redis leader leaves its line at the acquisition: closing its
+    /// connection wakes no other process.)
+    pub fn leading(&self) {
+        if let Kind::File(file) = &self.kind {
+            file.leave_line();
+        }
+    }
+
     /// Extends the lease of `token` by ttl from (no earlier than) now.
     pub async fn renew(&self, token: u64) -> Result<(), RenewError> {
         self.bounded(async {
