@@ -564,11 +564,14 @@ impl Supervisor {
         if term.child.has_terminal {
             process::reclaim_terminal();
         }
-        if let Some(guard) = &self.guard {
-            guard.watch(None);
-        }
         if !term.lost {
             self.release(token).await;
+        }
+        // After the release: telling the guard wakes its process, and the
+        // next leader should not wait for that. The term's processes are
+        // all gone already, so the guard has nothing left to kill.
+        if let Some(guard) = &self.guard {
+            guard.watch(None);
         }
         self.metrics
             .term_ended(term.reason.unwrap_or(EndReason::ChildExited).as_str());
