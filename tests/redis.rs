@@ -222,11 +222,7 @@ fn a_graceful_stop_hands_over_without_waiting_for_the_next_attempt() {
 fn a_follower_rejoins_the_line_after_its_connection_is_killed() {
     let server = ready_server();
     let sandbox = Sandbox::new();
-    let _leader = sandbox
-        .leaderrun_on(server.url(), "resub")
-        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
-        .spawn();
-    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let _leader = leading_until_stop(&sandbox, server.url(), "resub");
     let follower = sandbox
         .leaderrun_on(server.url(), "resub")
         .args(["--campaign-every", "10s"])
@@ -594,11 +590,7 @@ fn a_leader_leaves_the_line_so_its_release_wakes_the_next() {
 fn a_user_without_blpop_polls_and_does_not_spin() {
     let (server, url) = acl_server(&["~*", "&*", "+@all", "-blpop"]);
     let sandbox = Sandbox::new();
-    let _leader = sandbox
-        .leaderrun_on(&url, "acl")
-        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
-        .spawn();
-    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let _leader = leading_until_stop(&sandbox, &url, "acl");
     let mut follower = sandbox
         .leaderrun_on(&url, "acl")
         .sh("touch b-started")
@@ -661,11 +653,7 @@ fn the_readme_least_privilege_acl_is_enough() {
         .collect();
     let (server, url) = acl_server(&rules);
     let sandbox = Sandbox::new();
-    let leader = sandbox
-        .leaderrun_on(&url, "least")
-        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
-        .spawn();
-    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    let leader = leading_until_stop(&sandbox, &url, "least");
     let mut follower = sandbox
         .leaderrun_on(&url, "least")
         .args(["--campaign-every", "10s"])
@@ -695,4 +683,15 @@ fn the_readme_least_privilege_acl_is_enough() {
         matches!(&log, redis::Value::Array(entries) if entries.is_empty()),
         "denied: {log:?}"
     );
+}
+
+/// A replica that leads `key` until the sandbox's `stop` file appears, once
+/// its command has started.
+fn leading_until_stop(sandbox: &Sandbox, url: &str, key: &str) -> common::Replica {
+    let leader = sandbox
+        .leaderrun_on(url, key)
+        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
+    leader
 }
