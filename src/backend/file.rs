@@ -220,15 +220,28 @@ impl FileBackend {
     pub async fn notice(&self) {
         if !self.line.follow(&self.shared) {
             self.line.head.notified().await;
+            // The new head attempts at once, watching or not.
             self.head_watch();
             return;
         }
-        let Some(watching) = self.notices.get() else {
-            self.head_watch();
-            return;
-        };
-        let Some(notices) = watching else {
-            return std::future::pending().await;
+        let watching = self
+            .shared
+            .watching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        let notices = match self.notices.get() {
+            // Could not watch: poll.
+            Some(None) => return std::future::pending().await,
+            Some(Some(notices)) if watching => notices,
+            // At the head but not watching (yet, or again after leading):
+            // start, and attempt once, since a release may have come first.
+            _ => {
+                if self.head_watch() {
+                    return;
+                }
+                return std::future::pending().await;
+            }
         };
         loop {
             let Ok(mut ready) = notices.readable().await else {
@@ -255,17 +268,20 @@ impl FileBackend {
     }
 
     /// Starts the head's watch (the inotify descriptor on first use).
-    fn head_watch(&self) {
+    /// Returns whether it is watching; if not, the head polls.
+    fn head_watch(&self) -> bool {
         let notices = self.notices.get_or_init(|| {
             self.watch()
                 .inspect_err(|e| warn!(error = %e, "cannot watch the lease file; followers fall back to polling"))
                 .ok()
         });
-        if notices.is_some()
-            && let Err(e) = self.shared.start_watching()
-        {
-            warn!(error = %e, "cannot watch the lease file; polling");
+        if notices.is_none() {
+            return false;
         }
+        self.shared
+            .start_watching()
+            .inspect_err(|e| tracing::debug!(error = %e, "cannot watch the lease file; polling"))
+            .is_ok()
     }
 
     fn watch(&self) -> io::Result<AsyncFd<Watcher>> {
