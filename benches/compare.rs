@@ -84,7 +84,7 @@ fn main() {
         kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", redis.port)),
     };
     if rows {
-        bench.rows(&mut out, &on_redis, (&flock, flock_cycle.take()), samples);
+        bench.rows(&mut out, &on_redis, &flock, flock_cycle.take(), samples);
     }
     if scale {
         eprintln!("measuring scale");
@@ -105,7 +105,8 @@ impl Bench {
         &self,
         out: &mut String,
         on_redis: &Tool,
-        (flock, flock_cycle): (&Tool, Option<Vec<f64>>),
+        flock: &Tool,
+        flock_cycle: Option<Vec<f64>>,
         samples: usize,
     ) {
         let dir = self.dir.as_path();
@@ -467,7 +468,7 @@ impl Bench {
     /// commands per second it adds.
     fn idle_follower(&self, tool: &Tool) -> (f64, Option<f64>) {
         let stamps = self.dir.join(format!("{}-idle.stamps", slug(tool.name)));
-        let mut holder = self
+        let holder = self
             .stamped(tool, "idle", &stamps, FOREVER)
             .spawn()
             .unwrap();
@@ -475,7 +476,7 @@ impl Bench {
         let window = Duration::from_secs(6);
         let redis = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("redis"));
         let alone = redis.then(|| self.redis_commands_during(window));
-        let mut follower = self.stamped(tool, "idle", &stamps, 0).spawn().unwrap();
+        let follower = self.stamped(tool, "idle", &stamps, 0).spawn().unwrap();
         std::thread::sleep(Duration::from_millis(500));
         let before = cpu_ticks(follower.id());
         let both = if redis {
@@ -485,16 +486,7 @@ impl Bench {
             None
         };
         let after = cpu_ticks(follower.id());
-        for child in [&mut holder, &mut follower] {
-            if let Some(pid) = child_pid(child.id()) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        kill_all(&mut [holder, follower]);
         let cpu = (after - before) as f64 * 10.0 / window.as_secs_f64(); // 100 ticks per second
         (cpu, alone.zip(both).map(|(a, b)| b - a))
     }
@@ -513,14 +505,7 @@ impl Bench {
         wait_for_lines(&stamps, 1, Duration::from_secs(30));
         std::thread::sleep(Duration::from_millis(2500));
         let rss = status_kb(holder.id(), "VmRSS:");
-        if let Some(pid) = child_pid(holder.id()) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        let _ = holder.kill();
-        let _ = holder.wait();
+        kill_all(std::slice::from_mut(&mut holder));
         rss
     }
 

@@ -192,37 +192,19 @@ fn an_acquire_that_timed_out_but_ran_later_is_not_lost() {
 #[test]
 fn a_graceful_stop_hands_over_without_waiting_for_the_next_attempt() {
     let server = ready_server();
-    let sandbox = Sandbox::new();
-    let mut leader = sandbox
-        .leaderrun_on(server.url(), "handover")
-        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done; date +%s%N > a-ended")
-        .spawn();
-    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
-    let mut follower = sandbox
-        .leaderrun_on(server.url(), "handover")
-        .args(["--campaign-every", "10s"])
-        .sh("date +%s%N > b-started; echo $LEADERRUN_TOKEN > b-token")
-        .spawn();
-    assert!(follower.wait_log("campaign started", LONG));
-    std::thread::sleep(Duration::from_millis(500));
-    std::fs::write(sandbox.path("stop"), "").unwrap();
-    assert_eq!(leader.wait(LONG), Some(0));
-    assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
-    let ended: u128 = sandbox.read("a-ended").trim().parse().unwrap();
-    let started: u128 = sandbox.read("b-started").trim().parse().unwrap();
-    let gap = Duration::from_nanos((started - ended) as u64);
+    let (gap, token) = Sandbox::new().graceful_handover(server.url(), "handover");
     assert!(
         gap < Duration::from_secs(2),
         "follower took {gap:?} with a 10 s campaign period"
     );
-    assert_eq!(sandbox.read("b-token").trim(), "2");
+    assert_eq!(token, "2");
 }
 
 #[test]
 fn a_follower_rejoins_the_line_after_its_connection_is_killed() {
     let server = ready_server();
     let sandbox = Sandbox::new();
-    let _leader = leading_until_stop(&sandbox, server.url(), "resub");
+    let _leader = sandbox.leader_until_stop(server.url(), "resub");
     let follower = sandbox
         .leaderrun_on(server.url(), "resub")
         .args(["--campaign-every", "10s"])
@@ -590,7 +572,7 @@ fn a_leader_leaves_the_line_so_its_release_wakes_the_next() {
 fn a_user_without_blpop_polls_and_does_not_spin() {
     let (server, url) = acl_server(&["~*", "&*", "+@all", "-blpop"]);
     let sandbox = Sandbox::new();
-    let _leader = leading_until_stop(&sandbox, &url, "acl");
+    let _leader = sandbox.leader_until_stop(&url, "acl");
     let mut follower = sandbox
         .leaderrun_on(&url, "acl")
         .sh("touch b-started")
@@ -653,7 +635,7 @@ fn the_readme_least_privilege_acl_is_enough() {
         .collect();
     let (server, url) = acl_server(&rules);
     let sandbox = Sandbox::new();
-    let leader = leading_until_stop(&sandbox, &url, "least");
+    let leader = sandbox.leader_until_stop(&url, "least");
     let mut follower = sandbox
         .leaderrun_on(&url, "least")
         .args(["--campaign-every", "10s"])
@@ -683,15 +665,4 @@ fn the_readme_least_privilege_acl_is_enough() {
         matches!(&log, redis::Value::Array(entries) if entries.is_empty()),
         "denied: {log:?}"
     );
-}
-
-/// A replica that leads `key` until the sandbox's `stop` file appears, once
-/// its command has started.
-fn leading_until_stop(sandbox: &Sandbox, url: &str, key: &str) -> common::Replica {
-    let leader = sandbox
-        .leaderrun_on(url, key)
-        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done")
-        .spawn();
-    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
-    leader
 }

@@ -50,24 +50,7 @@ fn replicas_never_overlap_and_hand_over_promptly() {
 #[test]
 fn a_release_wakes_a_waiting_follower_at_once() {
     let sandbox = Sandbox::new();
-    let mut leader = sandbox
-        .leaderrun("wake")
-        .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done; date +%s%N > a-ended")
-        .spawn();
-    assert!(wait_until(LONG, || sandbox.path("a-started").exists()));
-    let mut follower = sandbox
-        .leaderrun("wake")
-        .args(["--campaign-every", "10s"])
-        .sh("date +%s%N > b-started")
-        .spawn();
-    assert!(follower.wait_log("campaign started", LONG));
-    std::thread::sleep(Duration::from_millis(300)); // the follower is waiting now
-    std::fs::write(sandbox.path("stop"), "").unwrap();
-    assert_eq!(leader.wait(LONG), Some(0));
-    assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
-    let ended: u128 = sandbox.read("a-ended").trim().parse().unwrap();
-    let started: u128 = sandbox.read("b-started").trim().parse().unwrap();
-    let gap = Duration::from_nanos((started - ended) as u64);
+    let (gap, _) = sandbox.graceful_handover(&sandbox.backend(), "wake");
     assert!(
         gap < Duration::from_secs(2),
         "follower waited {gap:?} with a 10 s campaign period"

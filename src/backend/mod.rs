@@ -254,16 +254,15 @@ impl Backend {
         .await
     }
 
-    /// This replica leads and its term's first process has started. On the
-    /// file backend it now gives its place in line to the next follower:
-    /// not at the acquisition, so that the next follower's wake-up does not
-    /// compete with that start. Called again before every release, since
-    /// the place must be given up before the release can wake anyone.
-    /// (A Redis leader leaves its line at the acquisition: closing its
-    /// connection wakes no other process.)
+    /// This replica leads and its term's first process has started: it
+    /// gives its place in the followers' line to the next follower. Not at
+    /// the acquisition, so that nothing the leaving sets off competes with
+    /// that start. Called again before every release (it is idempotent),
+    /// since the place must be given up before the release can wake anyone.
     pub fn leading(&self) {
-        if let Kind::File(file) = &self.kind {
-            file.leave_line();
+        match &self.kind {
+            Kind::File(file) => file.leave_line(),
+            Kind::Redis(redis) => redis.leave_line(),
         }
     }
 

@@ -324,7 +324,6 @@ impl RedisBackend {
                 if !text.is_empty() {
                     self.inner.server.lock().unwrap().run_id = text;
                 }
-                self.leave_line();
                 Ok(Attempt::Acquired { token })
             }
             0 => {
@@ -490,7 +489,7 @@ impl RedisBackend {
     /// Gives up this replica's place in line (it leads now): closing the
     /// connection takes its `BLPOP` off the server, so the wake of its own
     /// next release goes to a follower.
-    fn leave_line(&self) {
+    pub fn leave_line(&self) {
         if let Some(task) = self.inner.line.lock().unwrap().take() {
             task.abort();
         }

@@ -90,6 +90,42 @@ impl Sandbox {
         run
     }
 
+    /// A replica that leads `key` on `backend` until the sandbox's `stop`
+    /// file appears (then its command writes `a-ended`), once its command
+    /// has started.
+    pub fn leader_until_stop(&self, backend: &str, key: &str) -> Replica {
+        let leader = self
+            .leaderrun_on(backend, key)
+            .sh("touch a-started; while [ ! -e stop ]; do sleep 0.01; done; date +%s%N > a-ended")
+            .spawn();
+        assert!(wait_until(Duration::from_secs(20), || self
+            .path("a-started")
+            .exists()));
+        leader
+    }
+
+    /// A graceful handover to a follower that polls only every 10 s: how
+    /// long after the leader's command ended the follower's started, and
+    /// the follower's token.
+    pub fn graceful_handover(&self, backend: &str, key: &str) -> (Duration, String) {
+        let long = Duration::from_secs(20);
+        let mut leader = self.leader_until_stop(backend, key);
+        let mut follower = self
+            .leaderrun_on(backend, key)
+            .args(["--campaign-every", "10s"])
+            .sh("date +%s%N > b-started; echo $LEADERRUN_TOKEN > b-token")
+            .spawn();
+        assert!(follower.wait_log("campaign started", long));
+        std::thread::sleep(Duration::from_millis(500)); // the follower is waiting now
+        fs::write(self.path("stop"), "").unwrap();
+        assert_eq!(leader.wait(long), Some(0));
+        assert_eq!(follower.wait(long), Some(0), "{}", follower.stderr());
+        let ended: u128 = self.read("a-ended").trim().parse().unwrap();
+        let started: u128 = self.read("b-started").trim().parse().unwrap();
+        let gap = Duration::from_nanos((started - ended) as u64);
+        (gap, self.read("b-token").trim().to_owned())
+    }
+
     /// The whole contents of a file the children wrote, or "" if none yet.
     pub fn read(&self, name: &str) -> String {
         fs::read_to_string(self.path(name)).unwrap_or_default()
