@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
+use crate::process::ContainmentMode;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "leaderrun",
@@ -44,9 +46,15 @@ pub struct LeaseArgs {
     #[arg(short, long, env = "LEADERRUN_KEY", required = true)]
     pub key: Option<String>,
 
-    /// Where the lease lives: file:DIR, file:///abs/dir, redis://…, rediss://…, redis+unix:///path
-    /// [default: file://$XDG_STATE_HOME/leaderrun]
-    #[arg(short, long, env = "LEADERRUN_BACKEND", hide_env_values = true)]
+    /// Where the lease lives: file:///abs/dir (one host), redis://[user[:password]@]host[:port][/db], rediss://… (TLS), redis+unix:///path
+    /// [default: file://$XDG_STATE_HOME/leaderrun, else file://$HOME/.local/state/leaderrun; file:///var/lib/leaderrun for root]
+    #[arg(
+        short,
+        long,
+        env = "LEADERRUN_BACKEND",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub backend: Option<String>,
 
     /// PEM file of the CA that signed a rediss:// server's certificate (for private CAs).
@@ -63,11 +71,11 @@ pub struct LogArgs {
     #[arg(long, env = "LEADERRUN_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
-    /// More log detail (-v debug, -vv trace).
+    /// More log detail (-v debug, -vv trace). Without -v or -q, LEADERRUN_LOG takes an env-filter directive (e.g. debug, warn).
     #[arg(short, long, action = ArgAction::Count, conflicts_with = "quiet")]
     pub verbose: u8,
 
-    /// Less log detail (-q warnings only, -qq errors only).
+    /// Less log detail (-q warnings only, -qq errors only). Overrides LEADERRUN_LOG.
     #[arg(short, long, action = ArgAction::Count)]
     pub quiet: u8,
 }
@@ -156,6 +164,10 @@ pub struct RunArgs {
     /// Refuse to start on a backend that cannot issue fencing tokens or move its counter up.
     #[arg(long, env = "LEADERRUN_REQUIRE_FENCE_ADVANCE")]
     pub require_fence_advance: bool,
+
+    /// How each term's processes are held together so none outlives it: a cgroup (where a writable cgroup2 exists), a keeper process (a subreaper per term), or auto.
+    #[arg(long, env = "LEADERRUN_CONTAINMENT", value_enum, default_value_t = ContainmentMode::Auto, value_name = "MODE")]
+    pub containment: ContainmentMode,
 
     /// The command to run while leading, and its arguments.
     #[arg(last = true, required = true, value_name = "COMMAND")]

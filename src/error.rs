@@ -1,11 +1,11 @@
-//! The errors leaderrun reacts to, and the exit status each one maps to.
+//! The ways leaderrun ends, and the errors it reacts to at its edge.
 //!
-//! Every way the program can end is listed here once, so the table in the
-//! README (and SPEC §7) has a single source in the code.
+//! Every exit status is listed here once, so the table in the README (and
+//! SPEC §7) has a single source in the code.
 
 use std::process::ExitCode;
 
-use crate::timeline::{Timing, show};
+use crate::timing::TimingError;
 
 /// How a run of leaderrun ends. `main` turns this into the process status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,11 +20,16 @@ pub enum Exit {
     Unreachable,
     /// Gave up (`--no-wait` / `--wait`) because another replica holds the lease.
     HeldElsewhere,
+    /// The backend answered with something no retry can fix.
+    Fatal(u8),
 }
 
 impl Exit {
     pub const USAGE: u8 = 2;
     pub const FREE: u8 = 3;
+    /// The backend's state cannot be used as it is (a corrupt record, an
+    /// exhausted counter, a fence floor above the largest token).
+    pub const DATA: u8 = 65;
     pub const UNREACHABLE: u8 = 69;
     pub const INTERNAL: u8 = 70;
     pub const HELD_ELSEWHERE: u8 = 75;
@@ -33,7 +38,7 @@ impl Exit {
 
     pub fn code(self) -> u8 {
         match self {
-            Exit::Child(code) => code,
+            Exit::Child(code) | Exit::Fatal(code) => code,
             Exit::Stopped => 0,
             Exit::Free => Self::FREE,
             Exit::Unreachable => Self::UNREACHABLE,
@@ -59,24 +64,18 @@ pub enum ConfigError {
         "invalid owner {0:?}: an owner is 1–200 bytes with no whitespace or control characters"
     )]
     Owner(String),
-    #[error(
-        "invalid --token-env {0:?}: use a variable name of letters, digits and '_' that does not start with a digit and is not LEADERRUN_KEY, LEADERRUN_OWNER or LEADERRUN_BACKEND"
-    )]
-    TokenEnv(String),
-    #[error(
-        "invalid --yield-signal {0:?}: give a signal name or number such as TERM, SIGINT or 15"
-    )]
-    Signal(String),
-    #[error("{flag} must be greater than zero (got {value})")]
-    ZeroDuration { flag: &'static str, value: String },
-    #[error("{}", invariant_message(.0))]
-    Invariant(Timing),
-    #[error("invalid backend URL {url:?}: {why}")]
+    #[error("invalid --token-env {name:?}: {why}")]
+    TokenEnv { name: String, why: &'static str },
+    #[error("invalid --yield-signal {name:?}: {why}")]
+    Signal { name: String, why: &'static str },
+    #[error(transparent)]
+    Timing(#[from] TimingError),
+    #[error("invalid backend URL \"{url}\": {why}")]
     BackendUrl { url: String, why: String },
-    #[error("backend {url} refused the credentials: {why}; check the user and password in the URL")]
-    BackendAuth { url: String, why: String },
     #[error("invalid --metrics-addr {address:?}: {why}")]
     MetricsAddr { address: String, why: String },
+    #[error("cannot listen on --metrics-addr {address}: {why}")]
+    MetricsBind { address: String, why: String },
     #[error("unsafe state directory {path}: {why}")]
     UnsafeStateDir { path: String, why: String },
     #[error("cannot use state directory {path}: {source}")]
@@ -91,6 +90,8 @@ pub enum ConfigError {
     LogDirective { directive: String, why: String },
     #[error("{0}")]
     Capability(String),
+    #[error("--containment cgroup: {0}")]
+    Containment(String),
 }
 
 /// The command cannot be run: checked before campaigning, so no lease is taken.
@@ -109,16 +110,13 @@ impl CommandError {
             CommandError::NotExecutable(_) => Exit::NOT_EXECUTABLE,
         }
     }
-}
 
-fn invariant_message(t: &Timing) -> String {
-    let sum = show(t.renew_every + t.yield_grace + t.release_timeout + t.margin);
-    format!(
-        "timing invariant violated: renew_every ({}) + yield_grace ({}) + release_timeout ({}) + margin ({}) = {sum}, which must be less than ttl ({}); raise --ttl above {sum} or shorten the others",
-        show(t.renew_every),
-        show(t.yield_grace),
-        show(t.release_timeout),
-        show(t.margin),
-        show(t.ttl),
-    )
+    /// The error of a spawn that failed at `exec` (the file went away or
+    /// lost its x bit after `resolve` looked).
+    pub fn from_spawn(error: &std::io::Error, program: &str) -> CommandError {
+        match error.kind() {
+            std::io::ErrorKind::NotFound => CommandError::NotFound(program.to_owned()),
+            _ => CommandError::NotExecutable(program.to_owned()),
+        }
+    }
 }

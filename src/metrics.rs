@@ -86,7 +86,7 @@ impl Metrics {
         );
         registry.register(
             "terms_started",
-            "Terms this replica has started",
+            "Terms this replica has begun (acquisitions); each also ends once, by reason",
             metrics.terms_started.clone(),
         );
         registry.register(
@@ -115,9 +115,16 @@ impl Metrics {
         })
     }
 
-    pub fn term_started(&self, token: u64, handover: Duration) {
+    /// A term began: the lease was acquired with `token`. Every term that
+    /// begins also ends, and is counted by its reason then.
+    pub fn term_began(&self, token: u64) {
         self.terms_started.inc();
         self.token.set(token as i64);
+    }
+
+    /// The term's command runs: this replica leads. `handover` is from the
+    /// wake-up that led to the acquisition to now.
+    pub fn command_started(&self, handover: Duration) {
         self.leading.set(1);
         self.last_handover.set(handover.as_secs_f64());
     }
@@ -208,12 +215,27 @@ pub fn serve(address: &str, metrics: Arc<Metrics>) -> Result<(), ConfigError> {
             "expected HOST:PORT with an IP address, such as 0.0.0.0:9090 or 127.0.0.1:9090".into(),
         )
     })?;
-    let listener = std::net::TcpListener::bind(socket).map_err(|e| refused(e.to_string()))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| refused(e.to_string()))?;
-    let listener =
-        tokio::net::TcpListener::from_std(listener).map_err(|e| refused(e.to_string()))?;
+    let cannot = |e: std::io::Error| ConfigError::MetricsBind {
+        address: address.to_owned(),
+        why: match e.kind() {
+            std::io::ErrorKind::AddrInUse => {
+                "the address is already in use (another process listens there); choose another port"
+                    .into()
+            }
+            std::io::ErrorKind::AddrNotAvailable => {
+                "no interface of this host has that IP address; use 0.0.0.0 or one of its own"
+                    .into()
+            }
+            std::io::ErrorKind::PermissionDenied => {
+                "permission denied (ports below 1024 need privileges); choose a port above 1023"
+                    .into()
+            }
+            _ => e.to_string(),
+        },
+    };
+    let listener = std::net::TcpListener::bind(socket).map_err(cannot)?;
+    listener.set_nonblocking(true).map_err(cannot)?;
+    let listener = tokio::net::TcpListener::from_std(listener).map_err(cannot)?;
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {

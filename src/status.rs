@@ -3,26 +3,31 @@
 //! cannot be asked.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 use anyhow::Context as _;
 
-use crate::backend::{Backend, Observation, unix_ms};
+use crate::backend::{Observation, StoreError, unix_ms};
 use crate::cli::StatusArgs;
 use crate::error::Exit;
-use crate::spec::{BackendUrl, parse_key};
-use crate::{Failure, log};
+use crate::log;
+use crate::run::Failure;
+use crate::spec::{parse_backend, parse_key};
+
+/// How long `status` waits for the backend.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
     let key = parse_key(args.lease.key.as_deref().unwrap_or_default())?;
-    let url = BackendUrl::parse_or_default(args.lease.backend.as_deref())?;
+    let backend = parse_backend(&args.lease)?;
     log::init(&args.lease.log, vec![("key", key.clone())])?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
     runtime.block_on(async {
-        let backend = Backend::observer(&url, &key, args.lease.tls_ca_file.as_ref())?;
-        match backend.observe().await {
+        let store = backend.observer(&key, STATUS_TIMEOUT)?;
+        match store.observe().await {
             Ok(observation) => {
                 let text = if args.json {
                     json(&key, &observation)
@@ -36,10 +41,11 @@ pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
                     Exit::Free
                 })
             }
-            Err(error) => {
-                eprintln!("leaderrun: backend {url} unreachable: {error:#}");
+            Err(StoreError::Unreachable(error)) => {
+                eprintln!("leaderrun: error: backend {backend} unreachable: {error:#}");
                 Ok(Exit::Unreachable)
             }
+            Err(StoreError::Fatal(fatal)) => Err(fatal.into()),
         }
     })
 }

@@ -209,9 +209,14 @@ fn a_metrics_address_that_cannot_be_used_is_refused() {
     let sandbox = Sandbox::new();
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
-    for (address, says) in [
-        ("nonsense", "expected HOST:PORT"),
-        (&*format!("127.0.0.1:{port}"), "in use"),
+    // A taken port is not an invalid address: say what is wrong.
+    for (address, what, says) in [
+        ("nonsense", "invalid --metrics-addr", "expected HOST:PORT"),
+        (
+            &*format!("127.0.0.1:{port}"),
+            "cannot listen on --metrics-addr",
+            "already in use",
+        ),
     ] {
         let out = sandbox
             .leaderrun("m")
@@ -219,11 +224,7 @@ fn a_metrics_address_that_cannot_be_used_is_refused() {
             .sh("touch ran")
             .run();
         assert_eq!(out.code, 2, "{}", out.stderr);
-        assert!(
-            out.stderr.contains("invalid --metrics-addr"),
-            "{}",
-            out.stderr
-        );
+        assert!(out.stderr.contains(what), "{}", out.stderr);
         assert!(
             out.stderr.to_lowercase().contains(&says.to_lowercase()),
             "{}",

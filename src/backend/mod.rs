@@ -1,18 +1,126 @@
-//! The lease backends behind one small interface: acquire, renew, release,
-//! advance the fence counter, observe, and wait for a release notice.
+//! Lease stores: the one interface every backend implements, the values it
+//! speaks in, and the registry that picks a backend by URL scheme.
 //!
-//! The supervisor never knows which backend it talks to. Every call is
-//! bounded by the spec's call timeout here, in one place, so no caller can
-//! forget it; a call that times out is "could not ask", never "lost".
+//! A backend lives in a folder of its own (`file/`, `redis/`) and owns its
+//! URL grammar, its options and its capabilities; `registry.rs` is the one
+//! place that knows which schemes exist. The supervisor, the spec and
+//! `status` only ever see `dyn Backend` and `dyn LeaseStore`.
+//!
+//! Every backend passes one contract suite (`tests/contract.rs`): tokens
+//! strictly grow, an attempt is idempotent, "held" and "could not ask" are
+//! told apart, a renewal after loss is `Lost`, a release wakes one waiting
+//! follower, and so on. A backend that passes it works with the supervisor.
 
+mod bounded;
+mod error;
 pub mod file;
+pub mod memory;
 pub mod redis;
+mod registry;
+pub mod url;
 
-use std::path::PathBuf;
+use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
+
+pub use bounded::Bounded;
+pub use error::{Fatal, RenewError, StoreError, Unreachable};
+pub use registry::{BackendOptions, parse, schemes};
+
 use crate::error::ConfigError;
-use crate::spec::{BackendUrl, Spec};
+
+/// A backend call: a future that is `Send`, so a store may be shared by
+/// tasks, and that yields the answer or why there is none.
+pub type Call<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
+
+/// A backend named by a URL, parsed and validated but not yet contacted.
+pub trait Backend: Send + Sync + fmt::Display {
+    /// What this backend can do for fencing (SPEC §5).
+    fn capabilities(&self) -> Capabilities;
+
+    /// The lease of one key, for a replica that campaigns and leads.
+    /// Creates what the backend needs (a state directory, a client).
+    fn lease(&self, lease: LeaseConfig) -> Result<Arc<dyn LeaseStore>, ConfigError>;
+
+    /// A read-only view of one key for `leaderrun status`: creates nothing.
+    fn observer(
+        &self,
+        key: &str,
+        call_timeout: Duration,
+    ) -> Result<Arc<dyn LeaseStore>, ConfigError>;
+}
+
+impl fmt::Debug for dyn Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+/// What a lease store needs to know about the lease and about this replica.
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    pub key: String,
+    pub me: Identity,
+    pub ttl: Duration,
+    /// The bound on every call (`Bounded` enforces it; a backend also uses
+    /// it for its own connection timeouts and lock waits).
+    pub call_timeout: Duration,
+}
+
+/// The lease of one key, as one replica sees it.
+///
+/// Every call that reaches the backend either answers or says why it could
+/// not (`StoreError`): `Unreachable` is retried, `Fatal` never will work as
+/// things are. No call kills, starts or waits for a process.
+pub trait LeaseStore: Send + Sync {
+    /// Asks the backend once, at startup, whether the configuration works:
+    /// refused credentials or permissions are `Err(Fatal::Refused)`, naming
+    /// what is missing; a backend that cannot be reached is `Ok(Some(why))`,
+    /// a warning only (campaigning retries it).
+    fn check(&self) -> BoxFuture<'_, Result<Option<Unreachable>, Fatal>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    /// One acquisition attempt. Idempotent within one `attempt`: repeating
+    /// an attempt whose reply was lost returns the token it already drew.
+    /// A new attempt never returns a token an earlier attempt was given, also
+    /// when this replica still holds the lease from it (SPEC §5).
+    fn acquire(&self, attempt: u64) -> Call<'_, Attempt>;
+
+    /// Extends the lease of `token` by ttl from (no earlier than) now.
+    fn renew(&self, token: u64) -> BoxFuture<'_, Result<(), RenewError>>;
+
+    /// Gives up the lease of `token` if this replica still holds it, and lets
+    /// one waiting replica know. False if it was no longer held.
+    fn release(&self, token: u64) -> Call<'_, bool>;
+
+    /// Moves the token counter up to at least `floor`; returns the counter.
+    /// A floor above the backend's largest token is `Fatal::FloorOutOfRange`.
+    fn advance_fence(&self, floor: u64) -> Call<'_, u64>;
+
+    /// Refreshes this replica's candidate record as a follower, for an
+    /// attempt that did not reach `acquire` (which refreshes it itself).
+    fn heartbeat(&self) -> Call<'_, ()>;
+
+    /// Removes this replica's candidate record: the shutdown notice of a
+    /// graceful exit. Also prunes records that expired.
+    fn withdraw(&self) -> Call<'_, ()>;
+
+    /// The holder, the counter and the live candidates.
+    fn observe(&self) -> Call<'_, Observation>;
+
+    /// Resolves when the lease may have become free: a release handed to
+    /// this replica, a holder's death, an operator's change. Cancel-safe;
+    /// spurious wake-ups are allowed (the caller just attempts).
+    fn notice(&self) -> BoxFuture<'_, ()>;
+
+    /// This replica leads and its term's first process has started: it gives
+    /// its place among the waiting followers to the next one. Called again
+    /// before every release (it is idempotent).
+    fn leading(&self);
+}
 
 /// The outcome of an acquisition attempt that reached the backend.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,8 +129,10 @@ pub enum Attempt {
     Acquired { token: u64 },
     /// Someone else holds it: a normal follower state, not an error.
     Held(Holder),
-    /// The lease may be free, but the backend must not hand it out yet
-    /// (a Redis that lost its data while a leader may still be stopping).
+    /// The lease may be free, but the backend must not hand it out yet: its
+    /// data may be older than what a leader was told (a restart, a failover,
+    /// a lease that vanished before its known expiry), and that leader may
+    /// still be stopping its child.
     HeldOff {
         retry_in: Duration,
         why: &'static str,
@@ -63,7 +173,7 @@ pub struct Candidate {
 }
 
 /// Who this replica is, in lease and candidate records.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
     pub owner: String,
     /// Tells this process apart from an earlier one with the same owner.
@@ -88,10 +198,35 @@ impl Identity {
             since_ms: unix_ms(),
         }
     }
+}
 
-    /// An identity for `leaderrun status`, which writes nothing.
-    fn observer() -> Identity {
-        Identity::new("status")
+/// What a backend can do (SPEC §5, §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// It issues fencing tokens.
+    pub tokens: bool,
+    /// It can move its token counter up (`--fence-floor-cmd`).
+    pub fence_advance: bool,
+    /// Tokens survive a restart of the store itself (not only of replicas).
+    pub durable_tokens: bool,
+    /// Expiry is judged by one clock of the backend's, not by each replica's.
+    pub server_clock: bool,
+    /// The largest token it can issue; a fence floor above it is refused.
+    pub max_token: u64,
+}
+
+impl Capabilities {
+    /// `--require-fence-advance`: refuse, at startup, a backend that cannot
+    /// issue tokens or move its counter up.
+    pub fn require_fence_advance(self, backend: &dyn Backend) -> Result<(), ConfigError> {
+        let missing = match (self.tokens, self.fence_advance) {
+            (true, true) => return Ok(()),
+            (false, _) => "cannot issue fencing tokens",
+            (true, false) => "cannot move its token counter up",
+        };
+        Err(ConfigError::Capability(format!(
+            "--require-fence-advance: backend {backend} {missing}; use a backend that can, or drop the flag"
+        )))
     }
 }
 
@@ -102,272 +237,20 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The backend could not be asked. Never means "someone else holds it".
-#[derive(Debug, thiserror::Error)]
-pub enum Unreachable {
-    #[error("backend call timed out after {0:?}")]
-    Timeout(Duration),
-    #[error("{context}: {source}")]
-    Io {
-        context: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("lease state is corrupt: {0}")]
-    Corrupt(String),
-    #[error("redis: {0}")]
-    Redis(String),
-}
-
-/// A renewal that did not go through.
-#[derive(Debug, thiserror::Error)]
-pub enum RenewError {
-    /// The backend answered that this replica no longer holds the lease.
-    #[error("lease lost{}", .0.as_ref().map(|h| format!(" to {} (token {})", h.owner, h.token)).unwrap_or_default())]
-    Lost(Option<Holder>),
-    #[error(transparent)]
-    Unreachable(#[from] Unreachable),
-}
-
-/// What a backend can do for fencing (SPEC §5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Capabilities {
-    pub tokens: bool,
-    pub fence_advance: bool,
-}
-
-impl Capabilities {
-    /// `--require-fence-advance`: refuse, at startup, a backend that cannot
-    /// issue tokens or move its counter up.
-    pub fn require_fence_advance(self, url: &BackendUrl) -> Result<(), ConfigError> {
-        let missing = match (self.tokens, self.fence_advance) {
-            (true, true) => return Ok(()),
-            (false, _) => "cannot issue fencing tokens",
-            (true, false) => "cannot move its token counter up",
-        };
-        Err(ConfigError::Capability(format!(
-            "--require-fence-advance: backend {url} {missing}; use a backend that can, or drop the flag"
-        )))
-    }
-}
-
-/// One of the backends of SPEC §6.
-#[derive(Clone)]
-pub struct Backend {
-    kind: Kind,
-    call_timeout: Duration,
-}
-
-#[derive(Clone)]
-enum Kind {
-    File(file::FileBackend),
-    Redis(redis::RedisBackend),
-}
-
-impl Backend {
-    /// Opens the backend the spec names. Configuration problems (an unsafe
-    /// state directory, a wrong Redis password, a missing capability) are
-    /// refused here, before any lease is taken. A Redis server that cannot
-    /// be reached is not a configuration problem: campaigning retries it.
-    pub async fn open(spec: &Spec) -> Result<Backend, ConfigError> {
-        let call_timeout = spec.timing.call_timeout();
-        let me = Identity::new(&spec.owner);
-        let kind = match &spec.backend {
-            BackendUrl::File { dir } => Kind::File(file::FileBackend::open(
-                dir,
-                &spec.key,
-                me,
-                spec.timing.ttl,
-                call_timeout,
-            )?),
-            BackendUrl::Redis(url) => {
-                let redis = redis::RedisBackend::new(
-                    url,
-                    spec.tls_ca_file.as_ref(),
-                    &spec.key,
-                    me,
-                    spec.timing.ttl,
-                    call_timeout,
-                )?;
-                match redis.check().await {
-                    Ok(()) => {}
-                    Err(redis::CheckError::Auth(why)) => {
-                        return Err(ConfigError::BackendAuth {
-                            url: spec.backend.to_string(),
-                            why,
-                        });
-                    }
-                    Err(redis::CheckError::Unreachable(error)) => {
-                        tracing::warn!(error = %error, "backend unreachable at startup; campaigning anyway");
-                    }
-                }
-                Kind::Redis(redis)
-            }
-        };
-        let backend = Backend { kind, call_timeout };
-        if spec.require_fence_advance {
-            backend
-                .capabilities()
-                .require_fence_advance(&spec.backend)?;
-        }
-        Ok(backend)
-    }
-
-    /// Opens a backend read-only for `leaderrun status`: nothing is created.
-    pub fn observer(
-        url: &BackendUrl,
-        key: &str,
-        tls_ca_file: Option<&PathBuf>,
-    ) -> Result<Backend, ConfigError> {
-        let call_timeout = Duration::from_secs(2);
-        let kind = match url {
-            BackendUrl::File { dir } => Kind::File(file::FileBackend::observer(dir, key)?),
-            BackendUrl::Redis(url) => Kind::Redis(redis::RedisBackend::new(
-                url,
-                tls_ca_file,
-                key,
-                Identity::observer(),
-                Duration::from_secs(1),
-                call_timeout,
-            )?),
-        };
-        Ok(Backend { kind, call_timeout })
-    }
-
-    pub fn capabilities(&self) -> Capabilities {
-        // Both backends issue tokens from a counter that can be moved up.
-        Capabilities {
-            tokens: true,
-            fence_advance: true,
-        }
-    }
-
-    /// One acquisition attempt. Idempotent for this replica: repeating an
-    /// attempt whose reply was lost returns the token it already drew.
-    pub async fn acquire(&self) -> Result<Attempt, Unreachable> {
-        self.bounded(async {
-            match &self.kind {
-                Kind::File(file) => file.acquire().await,
-                Kind::Redis(redis) => redis.acquire().await,
-            }
-        })
-        .await
-    }
-
-    /// This replica leads and its term's first process has started: it
-    /// gives its place in the followers' line to the next follower. Not at
-    /// the acquisition, so that nothing the leaving sets off competes with
-    /// that start. Called again before every release (it is idempotent),
-    /// since the place must be given up before the release can wake anyone.
-    pub fn leading(&self) {
-        match &self.kind {
-            Kind::File(file) => file.leave_line(),
-            Kind::Redis(redis) => redis.leave_line(),
-        }
-    }
-
-    /// Extends the lease of `token` by ttl from (no earlier than) now.
-    pub async fn renew(&self, token: u64) -> Result<(), RenewError> {
-        self.bounded(async {
-            match &self.kind {
-                Kind::File(file) => file.renew(token).await,
-                Kind::Redis(redis) => redis.renew(token).await,
-            }
-        })
-        .await
-    }
-
-    /// Gives up the lease of `token` if this replica still holds it, and lets
-    /// waiting replicas know. False if it was no longer held.
-    pub async fn release(&self, token: u64) -> Result<bool, Unreachable> {
-        self.bounded(async {
-            match &self.kind {
-                Kind::File(file) => file.release(token).await,
-                Kind::Redis(redis) => redis.release(token).await,
-            }
-        })
-        .await
-    }
-
-    /// Moves the token counter up to at least `floor`; returns the counter.
-    pub async fn advance_fence(&self, floor: u64) -> Result<u64, Unreachable> {
-        self.bounded(async {
-            match &self.kind {
-                Kind::File(file) => file.advance_fence(floor).await,
-                Kind::Redis(redis) => redis.advance_fence(floor).await,
-            }
-        })
-        .await
-    }
-
-    /// Refreshes this replica's candidate record as a follower, for an
-    /// attempt that did not reach `acquire` (which refreshes it itself).
-    pub async fn heartbeat(&self) -> Result<(), Unreachable> {
-        self.bounded(async {
-            match &self.kind {
-                Kind::File(file) => file.heartbeat().await,
-                Kind::Redis(redis) => redis.heartbeat().await,
-            }
-        })
-        .await
-    }
-
-    /// Removes this replica's candidate record: the shutdown notice of a
-    /// graceful exit.
-    pub async fn withdraw(&self) -> Result<(), Unreachable> {
-        self.bounded(async {
-            match &self.kind {
-                Kind::File(file) => file.withdraw().await,
-                Kind::Redis(redis) => redis.withdraw().await,
-            }
-        })
-        .await
-    }
-
-    pub async fn observe(&self) -> Result<Observation, Unreachable> {
-        self.bounded(async {
-            match &self.kind {
-                Kind::File(file) => file.observe().await,
-                Kind::Redis(redis) => redis.observe().await,
-            }
-        })
-        .await
-    }
-
-    /// Resolves when the lease may have become free: a release, a holder's
-    /// death, or a change made by an operator. Cancel-safe; spurious wake-ups
-    /// are allowed (the caller just attempts).
-    pub async fn notice(&self) {
-        match &self.kind {
-            Kind::File(file) => file.notice().await,
-            Kind::Redis(redis) => redis.notice().await,
-        }
-    }
-
-    async fn bounded<T, E: From<Unreachable>>(
-        &self,
-        call: impl Future<Output = Result<T, E>>,
-    ) -> Result<T, E> {
-        tokio::time::timeout(self.call_timeout, call)
-            .await
-            .unwrap_or(Err(Unreachable::Timeout(self.call_timeout).into()))
-    }
-}
-
 /// A random id that tells this process apart from an earlier one with the
-/// same owner name.
+/// same owner name. `RandomState` is seeded from the operating system's
+/// randomness; pid and time are mixed in for good measure.
 fn random_instance() -> String {
-    let mut bytes = [0u8; 8];
-    // SAFETY: getrandom writes at most `len` bytes into the buffer we own.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if n != bytes.len() as isize {
-        // Unreachable in practice; pid and time still tell processes apart.
-        let now = std::time::SystemTime::now()
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u128(
+        std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        bytes = (u64::from(std::process::id()) ^ now.as_nanos() as u64).to_ne_bytes();
-    }
-    format!("{:016x}", u64::from_ne_bytes(bytes))
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    format!("{:016x}", hasher.finish())
 }
 
 #[cfg(test)]
@@ -376,27 +259,25 @@ mod tests {
 
     #[test]
     fn require_fence_advance_refuses_a_backend_without_tokens_or_advance() {
-        let url = BackendUrl::parse("file:/x").unwrap();
-        let full = Capabilities {
-            tokens: true,
-            fence_advance: true,
-        };
-        assert!(full.require_fence_advance(&url).is_ok());
+        let backend = parse(Some("file:///x"), &BackendOptions::default()).unwrap();
+        let full = backend.capabilities();
+        assert!(full.require_fence_advance(&*backend).is_ok());
         let no_tokens = Capabilities {
             tokens: false,
             fence_advance: false,
+            ..full
         };
         let message = no_tokens
-            .require_fence_advance(&url)
+            .require_fence_advance(&*backend)
             .unwrap_err()
             .to_string();
         assert!(message.contains("cannot issue fencing tokens"), "{message}");
         let no_advance = Capabilities {
-            tokens: true,
             fence_advance: false,
+            ..full
         };
         let message = no_advance
-            .require_fence_advance(&url)
+            .require_fence_advance(&*backend)
             .unwrap_err()
             .to_string();
         assert!(

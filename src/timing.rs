@@ -1,5 +1,6 @@
-//! The term timeline (SPEC §3): every deadline of a term, computed in one
-//! place from the instant the last successful acquire or renew was *sent*.
+//! The term timeline's arithmetic (SPEC §3): every deadline of a term,
+//! computed in one place from the instant the last successful acquire or
+//! renew was *sent*.
 //!
 //! Measuring from the send instant, not the reply, is what makes the
 //! arithmetic safe: the backend started the lease's ttl no earlier than that,
@@ -8,8 +9,6 @@
 use std::time::Duration;
 
 use tokio::time::Instant;
-
-use crate::error::ConfigError;
 
 /// The durations of SPEC §2, validated against the invariant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,9 +21,37 @@ pub struct Timing {
     pub release_timeout: Duration,
 }
 
+/// The longest duration any option takes (a year, as humantime counts it): far beyond any sensible lease or
+/// wait, and far enough below the clock's range that no deadline overflows.
+pub const LONGEST: Duration = Duration::from_secs(31_557_600);
+
+/// A timing the invariant refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TimingError {
+    #[error("{flag} must be greater than zero (got {value})")]
+    Zero { flag: &'static str, value: String },
+    #[error(
+        "{flag} {value} is longer than the longest duration leaderrun takes ({}); give a shorter one",
+        show(LONGEST)
+    )]
+    TooLong { flag: &'static str, value: String },
+    #[error("{}", invariant_message(.0))]
+    Invariant(Timing),
+}
+
+/// Refuses a duration over `LONGEST`, naming the flag.
+pub fn bounded(flag: &'static str, value: Duration) -> Result<Duration, TimingError> {
+    if value > LONGEST {
+        return Err(TimingError::TooLong {
+            flag,
+            value: show(value),
+        });
+    }
+    Ok(value)
+}
+
 impl Timing {
     /// The defaults of SPEC §2 (clap holds the same values as text).
-    #[cfg(test)]
     pub const DEFAULT: Timing = Timing {
         ttl: Duration::from_secs(6),
         renew_every: Duration::from_secs(2),
@@ -38,7 +65,7 @@ impl Timing {
     /// release_timeout and margin that reaches ttl: the child's grace and its
     /// kill have to fall before the lease could lapse, with one renewal
     /// attempted before the yield.
-    pub fn validate(self) -> Result<Timing, ConfigError> {
+    pub fn validate(self) -> Result<Timing, TimingError> {
         let named = [
             ("--ttl", self.ttl),
             ("--renew-every", self.renew_every),
@@ -47,15 +74,18 @@ impl Timing {
             ("--yield-grace", self.yield_grace),
             ("--release-timeout", self.release_timeout),
         ];
-        if let Some((flag, value)) = named.iter().find(|(_, d)| d.is_zero()) {
-            return Err(ConfigError::ZeroDuration {
-                flag,
-                value: show(*value),
-            });
+        for (flag, value) in named {
+            if value.is_zero() {
+                return Err(TimingError::Zero {
+                    flag,
+                    value: show(value),
+                });
+            }
+            bounded(flag, value)?;
         }
         let sum = self.renew_every + self.yield_grace + self.release_timeout + self.margin;
         if sum >= self.ttl {
-            return Err(ConfigError::Invariant(self));
+            return Err(TimingError::Invariant(self));
         }
         Ok(self)
     }
@@ -126,9 +156,28 @@ pub struct Deadlines {
     pub kill_at: Instant,
 }
 
-/// A duration in humantime's notation, for messages.
+/// A duration for messages and logs: whole milliseconds in humantime's
+/// notation (`1s 500ms`, not `1s 499ms 999us 810ns`); below a millisecond,
+/// as it is.
 pub fn show(d: Duration) -> String {
-    humantime::format_duration(d).to_string()
+    let rounded = if d >= Duration::from_millis(1) {
+        Duration::from_millis((d.as_nanos() as f64 / 1e6).round() as u64)
+    } else {
+        d
+    };
+    humantime::format_duration(rounded).to_string()
+}
+
+fn invariant_message(t: &Timing) -> String {
+    let sum = show(t.renew_every + t.yield_grace + t.release_timeout + t.margin);
+    format!(
+        "timing invariant violated: renew_every ({}) + yield_grace ({}) + release_timeout ({}) + margin ({}) = {sum}, which must be less than ttl ({}); raise --ttl above {sum} or shorten the others",
+        show(t.renew_every),
+        show(t.yield_grace),
+        show(t.release_timeout),
+        show(t.margin),
+        show(t.ttl),
+    )
 }
 
 #[cfg(test)]
@@ -221,6 +270,24 @@ mod tests {
         let renewed = timing.deadlines(s + ms(2000));
         assert_eq!(renewed.yield_at - first.yield_at, ms(2000));
         assert_eq!(renewed.kill_at - first.kill_at, ms(2000));
+    }
+
+    #[test]
+    fn durations_past_a_year_are_refused_by_flag_name() {
+        let timing = Timing {
+            ttl: Duration::from_secs(u64::MAX),
+            ..Timing::DEFAULT
+        };
+        let message = timing.validate().unwrap_err().to_string();
+        assert!(message.contains("--ttl"), "{message}");
+        assert!(message.contains("(1year)"), "{message}");
+    }
+
+    #[test]
+    fn shown_durations_are_rounded_to_milliseconds() {
+        assert_eq!(show(Duration::new(1, 499_999_810)), "1s 500ms");
+        assert_eq!(show(ms(2000)), "2s");
+        assert_eq!(show(Duration::from_micros(250)), "250us");
     }
 
     #[test]

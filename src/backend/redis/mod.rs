@@ -1,0 +1,584 @@
+//! The Redis backend: one lease shared by replicas on any number of hosts.
+//!
+//! - `url.rs`: the URL grammar (`redis://`, `rediss://`, `redis+unix://`);
+//! - `connection.rs`: the client, the command connection, error sorting;
+//! - `line.rs`: the followers' line (`BLPOP`);
+//! - `scripts/*.lua`: every operation, one script each, atomic on the server.
+//!
+//! The keys of a lease share a hash tag, so they live in one slot of a Redis
+//! Cluster: `leaderrun:{KEY}:lease` (`"<token> <instance>/<attempt>
+//! <owner>"` with a PX expiry), `:counter` (no expiry), `:candidates`,
+//! `:line` (the one wake a release leaves), `:released` (the token of the
+//! last release, for a ttl).
+//!
+//! Three things guard against a Redis that lost its data (a restart without
+//! persistence, a failover to a replica that missed writes, a `FLUSHALL`, an
+//! eviction):
+//!
+//! - tokens only grow while any replica lives: each replica sends the highest
+//!   token it has seen, and acquisition moves the counter past it first;
+//! - a Redis that started less than one ttl ago, or whose run id changed
+//!   under a replica's eyes, is not acquired from until one ttl has passed;
+//! - a follower that saw a holder whose lease has not expired yet, and finds
+//!   it gone without a release, waits for that expiry.
+//!
+//! In each case a leader from before the loss may still be stopping its
+//! child; its next renewal finds the lease gone and its term is lost.
+
+mod connection;
+mod line;
+mod url;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use redis::{AsyncConnectionConfig, Client, Script};
+use tokio::time::Instant;
+use tracing::warn;
+
+use self::connection::Connection;
+use self::line::Line;
+use self::url::RedisUrl;
+use super::{
+    Attempt, Backend, BackendOptions, Bounded, Call, Candidate, Capabilities, Fatal, Holder,
+    Identity, LeaseConfig, LeaseStore, Observation, RenewError, StoreError, Unreachable,
+};
+use crate::error::ConfigError;
+
+/// Tokens are Lua numbers on the server: integers are exact up to 2^53.
+pub const MAX_TOKEN: u64 = (1 << 53) - 1;
+
+const BEAT: &str = include_str!("scripts/beat.lua");
+const LIVE: &str = include_str!("scripts/live.lua");
+
+/// `redis://`, `rediss://` or `redis+unix://`, parsed, with its client.
+pub struct RedisBackend {
+    url: RedisUrl,
+    client: Client,
+}
+
+pub fn parse(raw: &str, options: &BackendOptions) -> Result<Arc<dyn Backend>, ConfigError> {
+    let url = RedisUrl::parse(raw)?;
+    let client = connection::client(&url, options.tls_ca_file.as_ref())?;
+    Ok(Arc::new(RedisBackend { url, client }))
+}
+
+impl fmt::Display for RedisBackend {
+    /// The URL with the password masked.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.url)
+    }
+}
+
+impl Backend for RedisBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            tokens: true,
+            fence_advance: true,
+            // Only with persistence, which leaderrun cannot see; replicas
+            // carry the highest token seen, so tokens grow while any lives.
+            durable_tokens: false,
+            server_clock: true,
+            max_token: MAX_TOKEN,
+        }
+    }
+
+    fn lease(&self, lease: LeaseConfig) -> Result<Arc<dyn LeaseStore>, ConfigError> {
+        let call_timeout = lease.call_timeout;
+        Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
+    }
+
+    fn observer(
+        &self,
+        key: &str,
+        call_timeout: Duration,
+    ) -> Result<Arc<dyn LeaseStore>, ConfigError> {
+        let lease = LeaseConfig {
+            key: key.to_owned(),
+            me: Identity::new("status"),
+            ttl: Duration::from_secs(1),
+            call_timeout,
+        };
+        Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
+    }
+}
+
+impl RedisBackend {
+    fn store(&self, lease: LeaseConfig) -> RedisStore {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(lease.call_timeout))
+            .set_response_timeout(Some(lease.call_timeout));
+        let prefix = format!("leaderrun:{{{}}}", lease.key);
+        let key = |name: &str| format!("{prefix}:{name}");
+        let id = &lease.me;
+        RedisStore {
+            conn: Connection::new(self.client.clone(), config.clone(), &self.url),
+            line: Arc::new(Line::new(
+                key("line"),
+                self.client.clone(),
+                config,
+                lease.call_timeout,
+            )),
+            keys: Keys {
+                line: key("line"),
+                lease: key("lease"),
+                counter: key("counter"),
+                candidates: key("candidates"),
+                released: key("released"),
+                probe: key("probe"),
+            },
+            record: format!("{} {} {} {}", id.since_ms, id.pid, id.host, id.owner),
+            me: lease.me,
+            ttl: lease.ttl,
+            highest_seen: AtomicU64::new(0),
+            server: Mutex::new(ServerView::default()),
+            last_holder: Mutex::new(None),
+            scripts: Scripts::new(),
+        }
+    }
+}
+
+/// One replica's lease on one key.
+pub struct RedisStore {
+    conn: Connection,
+    line: Arc<Line>,
+    keys: Keys,
+    me: Identity,
+    /// "<since ms> <pid> <host> <owner>": this replica's candidate record.
+    record: String,
+    ttl: Duration,
+    /// The highest token this replica has seen, its own or a holder's.
+    highest_seen: AtomicU64,
+    /// The server's run id as last seen, and until when acquisition is held
+    /// off after it changed.
+    server: Mutex<ServerView>,
+    /// The token of the last holder seen, and when its lease expires at the
+    /// latest (measured from the reply, so never before the server's).
+    last_holder: Mutex<Option<(u64, Instant)>>,
+    scripts: Scripts,
+}
+
+struct Keys {
+    lease: String,
+    line: String,
+    counter: String,
+    candidates: String,
+    released: String,
+    probe: String,
+}
+
+#[derive(Default)]
+struct ServerView {
+    run_id: String,
+    held_off_until: Option<Instant>,
+}
+
+struct Scripts {
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    heartbeat: Script,
+    advance: Script,
+    observe: Script,
+    withdraw: Script,
+    probe: Script,
+}
+
+impl Scripts {
+    fn new() -> Scripts {
+        let with = |prelude: &str, body: &str| Script::new(&[prelude, body].concat());
+        Scripts {
+            acquire: with(BEAT, include_str!("scripts/acquire.lua")),
+            renew: with(BEAT, include_str!("scripts/renew.lua")),
+            release: with(BEAT, include_str!("scripts/release.lua")),
+            heartbeat: with(BEAT, include_str!("scripts/heartbeat.lua")),
+            advance: Script::new(include_str!("scripts/advance.lua")),
+            observe: with(LIVE, include_str!("scripts/observe.lua")),
+            withdraw: with(LIVE, include_str!("scripts/withdraw.lua")),
+            probe: Script::new(include_str!("scripts/probe.lua")),
+        }
+    }
+}
+
+const YOUNG: &str =
+    "the Redis server started less than one ttl ago; waiting for a stale leader to stop";
+const NEW_RUN_ID: &str =
+    "the Redis server changed (new run id); waiting one ttl for a stale leader to stop";
+const VANISHED: &str = "the lease vanished before its known expiry (flushed, deleted or evicted); waiting for that expiry so its holder can stop";
+
+impl RedisStore {
+    fn ttl_ms(&self) -> String {
+        self.ttl.as_millis().to_string()
+    }
+
+    /// Remembers a token seen on the server, so the counter is never let
+    /// fall behind it.
+    fn saw(&self, token: u64) {
+        self.highest_seen.fetch_max(token, Ordering::SeqCst);
+    }
+
+    /// The token of the last holder seen whose lease has not expired yet.
+    fn unexpired_holder(&self) -> Option<(u64, Instant)> {
+        let last = *self.last_holder.lock().unwrap();
+        last.filter(|(_, expires)| *expires > Instant::now())
+    }
+
+    async fn acquire_once(&self, attempt: u64) -> Result<Attempt, StoreError> {
+        let (known_run_id, held_off) = {
+            let server = self.server.lock().unwrap();
+            (server.run_id.clone(), server.held_off_until)
+        };
+        let now = Instant::now();
+        if let Some(until) = held_off.filter(|until| now < *until) {
+            return Ok(Attempt::HeldOff {
+                retry_in: until - now,
+                why: NEW_RUN_ID,
+            });
+        }
+        let ttl_secs = self.ttl.as_secs() + u64::from(self.ttl.subsec_nanos() > 0);
+        let holder = self.unexpired_holder();
+        let k = &self.keys;
+        let (code, token, text, ms): (i64, u64, String, i64) = self
+            .conn
+            .run(
+                &self.scripts.acquire,
+                &[&k.lease, &k.counter, &k.candidates, &k.released],
+                &[
+                    self.me.instance.clone(),
+                    attempt.to_string(),
+                    self.me.owner.clone(),
+                    self.ttl_ms(),
+                    self.highest_seen.load(Ordering::SeqCst).to_string(),
+                    known_run_id,
+                    ttl_secs.to_string(),
+                    self.record.clone(),
+                    holder
+                        .map(|(token, _)| token.to_string())
+                        .unwrap_or_default(),
+                    MAX_TOKEN.to_string(),
+                ],
+            )
+            .await?;
+        let remaining = Duration::from_millis(ms.max(0) as u64);
+        let mut server = self.server.lock().unwrap();
+        match code {
+            1 => {
+                self.saw(token);
+                if !text.is_empty() {
+                    server.run_id = text;
+                }
+                *self.last_holder.lock().unwrap() = None;
+                Ok(Attempt::Acquired { token })
+            }
+            0 => {
+                self.saw(token);
+                // PTTL is -1 for a key without expiry (an operator's SET).
+                let expires_in = (ms >= 0).then_some(remaining);
+                *self.last_holder.lock().unwrap() =
+                    expires_in.map(|left| (token, Instant::now() + left));
+                Ok(Attempt::Held(Holder {
+                    owner: text,
+                    token,
+                    expires_in,
+                }))
+            }
+            2 => {
+                server.run_id = text;
+                Ok(Attempt::HeldOff {
+                    retry_in: remaining,
+                    why: YOUNG,
+                })
+            }
+            3 => {
+                // The run id changed: the data may be older than what a
+                // leader was told. Hold off one ttl from now.
+                server.run_id = text;
+                server.held_off_until = Some(Instant::now() + self.ttl);
+                Ok(Attempt::HeldOff {
+                    retry_in: self.ttl,
+                    why: NEW_RUN_ID,
+                })
+            }
+            4 => {
+                let until = holder.map_or(now, |(_, expires)| expires);
+                Ok(Attempt::HeldOff {
+                    retry_in: until.saturating_duration_since(Instant::now()),
+                    why: VANISHED,
+                })
+            }
+            _ => Err(Fatal::CounterExhausted {
+                counter: token,
+                max: MAX_TOKEN,
+            }
+            .into()),
+        }
+    }
+
+    async fn renew_once(&self, token: u64) -> Result<(), RenewError> {
+        let k = &self.keys;
+        let (code, holder_token, owner): (i64, u64, String) = self
+            .conn
+            .run(
+                &self.scripts.renew,
+                &[&k.lease, &k.candidates],
+                &[
+                    self.me.instance.clone(),
+                    token.to_string(),
+                    self.ttl_ms(),
+                    self.record.clone(),
+                ],
+            )
+            .await?;
+        if code == 1 {
+            return Ok(());
+        }
+        self.saw(holder_token);
+        Err(RenewError::Lost((holder_token > 0).then_some(Holder {
+            owner,
+            token: holder_token,
+            expires_in: None,
+        })))
+    }
+
+    async fn check_once(&self) -> Result<Option<Unreachable>, Fatal> {
+        let k = &self.keys;
+        let probe = self
+            .conn
+            .run_raw::<i64>(
+                &self.scripts.probe,
+                &[&k.lease, &k.counter, &k.candidates, &k.released, &k.probe],
+                &[],
+            )
+            .await;
+        match probe {
+            Ok(_) => {}
+            Err(error) if error.kind() == redis::ErrorKind::Parse => {
+                return Err(Fatal::Refused(format!(
+                    "backend {}: the server does not answer as a Redis server ({error}); is the port that of another service, such as an HTTP server?",
+                    self.conn.shown()
+                )));
+            }
+            Err(error) => match self.conn.classify(error) {
+                StoreError::Fatal(fatal) => return Err(fatal),
+                StoreError::Unreachable(why) => return Ok(Some(why)),
+            },
+        }
+        // A lease key evicted before its expiry is a lost lease: say so now.
+        let info: Result<String, _> = self.conn.query(redis::cmd("INFO").arg("memory")).await;
+        if let Ok(info) = info {
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|line| line.strip_prefix(name))
+                    .map(|v| v.trim().to_owned())
+            };
+            let limited = field("maxmemory:").is_some_and(|m| m != "0");
+            let policy = field("maxmemory_policy:").unwrap_or_default();
+            if limited && policy != "noeviction" {
+                warn!(
+                    policy,
+                    "the Redis server evicts keys under memory pressure (maxmemory-policy {policy}): an evicted lease is lost data, which leaderrun waits out, and an evicted counter loses tokens; set maxmemory-policy noeviction"
+                );
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl LeaseStore for RedisStore {
+    fn check(&self) -> BoxFuture<'_, Result<Option<Unreachable>, Fatal>> {
+        Box::pin(self.check_once())
+    }
+
+    fn acquire(&self, attempt: u64) -> Call<'_, Attempt> {
+        Box::pin(self.acquire_once(attempt))
+    }
+
+    fn renew(&self, token: u64) -> BoxFuture<'_, Result<(), RenewError>> {
+        Box::pin(self.renew_once(token))
+    }
+
+    fn release(&self, token: u64) -> Call<'_, bool> {
+        Box::pin(async move {
+            let k = &self.keys;
+            let released: i64 = self
+                .conn
+                .run(
+                    &self.scripts.release,
+                    &[&k.lease, &k.candidates, &k.line, &k.released],
+                    &[
+                        self.me.instance.clone(),
+                        token.to_string(),
+                        self.ttl_ms(),
+                        self.record.clone(),
+                    ],
+                )
+                .await?;
+            Ok(released == 1)
+        })
+    }
+
+    fn advance_fence(&self, floor: u64) -> Call<'_, u64> {
+        Box::pin(async move {
+            if floor > MAX_TOKEN {
+                return Err(Fatal::FloorOutOfRange {
+                    floor,
+                    max: MAX_TOKEN,
+                }
+                .into());
+            }
+            let counter: u64 = self
+                .conn
+                .run(
+                    &self.scripts.advance,
+                    &[&self.keys.counter],
+                    &[floor.to_string()],
+                )
+                .await?;
+            self.saw(counter);
+            Ok(counter)
+        })
+    }
+
+    fn heartbeat(&self) -> Call<'_, ()> {
+        Box::pin(async move {
+            let _: i64 = self
+                .conn
+                .run(
+                    &self.scripts.heartbeat,
+                    &[&self.keys.candidates],
+                    &[self.me.instance.clone(), self.ttl_ms(), self.record.clone()],
+                )
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn withdraw(&self) -> Call<'_, ()> {
+        Box::pin(async move {
+            let _: i64 = self
+                .conn
+                .run(
+                    &self.scripts.withdraw,
+                    &[&self.keys.candidates],
+                    std::slice::from_ref(&self.me.instance),
+                )
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn observe(&self) -> Call<'_, Observation> {
+        Box::pin(async move {
+            let k = &self.keys;
+            let (value, pttl, counter, candidates): (String, i64, u64, Vec<String>) = self
+                .conn
+                .run(
+                    &self.scripts.observe,
+                    &[&k.lease, &k.counter, &k.candidates],
+                    &[],
+                )
+                .await?;
+            let holder = (!value.is_empty()).then(|| {
+                let (token, owner) = parse_lease(&value).unwrap_or((0, value.clone()));
+                Holder {
+                    owner,
+                    token,
+                    expires_in: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+                }
+            });
+            let mut candidates: Vec<Candidate> = candidates
+                .iter()
+                .filter_map(|c| parse_candidate(c))
+                .collect();
+            candidates.sort_by_key(|c| (c.since_ms, c.pid));
+            Ok(Observation {
+                holder,
+                counter,
+                candidates,
+            })
+        })
+    }
+
+    fn notice(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.line.wait())
+    }
+
+    fn leading(&self) {
+        self.line.leave();
+    }
+}
+
+/// A candidate value: "<expires> <seen> <leading> <since> <pid> <host> <owner>".
+fn parse_candidate(value: &str) -> Option<Candidate> {
+    let mut parts = value.splitn(7, ' ');
+    let _expires = parts.next()?;
+    let last_seen_ms = parts.next()?.parse().ok()?;
+    let leading = parts.next()? == "1";
+    Some(Candidate {
+        since_ms: parts.next()?.parse().ok()?,
+        pid: parts.next()?.parse().ok()?,
+        host: parts.next()?.to_owned(),
+        owner: parts.next()?.to_owned(),
+        last_seen_ms,
+        leading,
+    })
+}
+
+/// `(token, owner)` of a lease value `"<token> <instance>/<attempt> <owner>"`.
+fn parse_lease(value: &str) -> Option<(u64, String)> {
+    let mut parts = value.splitn(3, ' ');
+    let token = parts.next()?.parse().ok()?;
+    let _instance = parts.next()?;
+    Some((token, parts.next()?.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidate_values_parse() {
+        let candidate = parse_candidate("9 8 1 7 42 host-a owner:1").unwrap();
+        assert_eq!(
+            candidate,
+            Candidate {
+                owner: "owner:1".into(),
+                host: "host-a".into(),
+                pid: 42,
+                since_ms: 7,
+                last_seen_ms: 8,
+                leading: true
+            }
+        );
+        assert_eq!(parse_candidate("9 8 1"), None);
+    }
+
+    #[test]
+    fn lease_values_parse() {
+        assert_eq!(parse_lease("7 00ff/3 host:1"), Some((7, "host:1".into())));
+        assert_eq!(parse_lease(""), None);
+        assert_eq!(parse_lease("x 00ff/1 host"), None);
+    }
+
+    #[test]
+    fn keys_of_a_lease_share_one_hash_tag() {
+        // The tag is the text between the first '{' and the next '}': the
+        // same for every key of a lease, whatever the key contains.
+        fn tag(key: &str) -> &str {
+            let open = key.find('{').unwrap();
+            let close = key[open + 1..].find('}').unwrap() + open + 1;
+            &key[open + 1..close]
+        }
+        for key in ["plain", "a}b", "x{y", "}{"] {
+            let prefix = format!("leaderrun:{{{key}}}");
+            assert_eq!(
+                tag(&format!("{prefix}:lease")),
+                tag(&format!("{prefix}:released")),
+                "{key}"
+            );
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! The one place that knows which backends exist: a URL scheme names one,
+//! and its own module parses the rest. Adding a backend is a line here.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::{Backend, file, redis};
+use crate::error::ConfigError;
+
+/// Options given beside the URL, for the backends that take them.
+#[derive(Debug, Clone, Default)]
+pub struct BackendOptions {
+    /// `--tls-ca-file`: the CA that signed a TLS server's certificate.
+    pub tls_ca_file: Option<PathBuf>,
+}
+
+type Parse = fn(&str, &BackendOptions) -> Result<Arc<dyn Backend>, ConfigError>;
+
+/// Every backend: its schemes, the URL forms it takes (for messages and
+/// help), and its parser.
+const BACKENDS: &[(&[&str], &str, Parse)] = &[
+    (&["file"], "file:///abs/dir", file::parse),
+    (
+        &["redis", "rediss", "redis+unix"],
+        "redis://[user[:password]@]host[:port][/db], rediss://… or redis+unix:///path",
+        redis::parse,
+    ),
+];
+
+/// The backend a URL names; with none, the file backend in the default
+/// state directory (SPEC §2).
+pub fn parse(url: Option<&str>, options: &BackendOptions) -> Result<Arc<dyn Backend>, ConfigError> {
+    let Some(url) = url else {
+        return file::default(options);
+    };
+    let scheme = url
+        .split_once(':')
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    let parse = scheme.as_deref().and_then(|scheme| {
+        BACKENDS
+            .iter()
+            .find(|(schemes, _, _)| schemes.contains(&scheme))
+            .map(|(_, _, parse)| parse)
+    });
+    match parse {
+        Some(parse) => parse(url, options),
+        None => Err(ConfigError::BackendUrl {
+            url: super::url::redact(url),
+            why: format!("unknown scheme: use {}", schemes()),
+        }),
+    }
+}
+
+/// The URL forms of every backend, for messages and `--help`.
+pub fn schemes() -> String {
+    BACKENDS
+        .iter()
+        .map(|(_, forms, _)| *forms)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unknown_scheme_lists_the_known_ones() {
+        let message = parse(Some("bogus://x"), &BackendOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("file:///abs/dir"), "{message}");
+        assert!(message.contains("rediss://"), "{message}");
+        let message = parse(Some("nothing"), &BackendOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("unknown scheme"), "{message}");
+    }
+}

@@ -1,0 +1,210 @@
+//! Starting a process: the one spawn path for the command, the hooks and
+//! the keepers.
+//!
+//! The child is cloned with `CLONE_VM | CLONE_VFORK`, as `posix_spawn` does:
+//! it borrows leaderrun's memory until it execs, instead of copying its page
+//! tables, which takes a third off the time to a running child (the critical
+//! path of a handover). `posix_spawn` itself cannot arm a death signal or
+//! join a cgroup.
+//!
+//! Must be called from the thread that lives as long as leaderrun (the main
+//! thread: the runtime is current-thread). `PR_SET_PDEATHSIG` fires when the
+//! *thread* that forked exits, so a child spawned from a worker or blocking
+//! thread would be killed when that thread retires.
+
+use std::ffi::{CString, OsString};
+use std::io;
+use std::os::fd::RawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use nix::sys::wait::waitpid;
+use nix::unistd::Pid;
+
+/// What to start: a program (already resolved), its argv (argv[0] first)
+/// and its whole environment as `NAME=value` entries.
+pub struct Command<'a> {
+    pub path: &'a Path,
+    pub argv: &'a [OsString],
+    pub env: &'a [Vec<u8>],
+}
+
+/// How to start it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// A descriptor to make the child's stdout (a hook's pipe).
+    pub stdout: Option<RawFd>,
+    /// A descriptor the child keeps across exec (a keeper's socket); every
+    /// other descriptor of leaderrun's is close-on-exec.
+    pub keep_fd: Option<RawFd>,
+    /// An open `cgroup.procs` the child writes itself into before exec, so
+    /// that everything it ever starts is in its cgroup from the first fork.
+    pub cgroup_procs: Option<RawFd>,
+    /// The child leads a process group of its own.
+    pub own_group: bool,
+    /// The child gets SIGKILL when the spawning thread dies.
+    pub death_signal: bool,
+    /// The child's group takes the terminal's foreground.
+    pub take_terminal: bool,
+}
+
+/// Starts `command`; returns its pid once it has exec'd. An exec that fails
+/// is an error here (the child is reaped), never a child that exits 127.
+pub fn spawn(command: &Command<'_>, options: Options) -> io::Result<Pid> {
+    // Everything the child needs is built here: between the clone and the
+    // exec it shares our memory and may not allocate.
+    let cstring = |bytes: &[u8]| {
+        CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    };
+    let path = cstring(command.path.as_os_str().as_bytes())?;
+    let argv = command
+        .argv
+        .iter()
+        .map(|arg| cstring(arg.as_bytes()))
+        .collect::<io::Result<Vec<_>>>()?;
+    let envp = command
+        .env
+        .iter()
+        .map(|pair| cstring(pair))
+        .collect::<io::Result<Vec<_>>>()?;
+    let pointers = |strings: &[CString]| -> Vec<*const libc::c_char> {
+        strings
+            .iter()
+            .map(|s| s.as_ptr())
+            .chain(std::iter::once(std::ptr::null()))
+            .collect()
+    };
+    let argv_ptrs = pointers(&argv);
+    let envp_ptrs = pointers(&envp);
+    let setup = ChildSetup {
+        path: path.as_ptr(),
+        argv: argv_ptrs.as_ptr(),
+        envp: envp_ptrs.as_ptr(),
+        parent: nix::unistd::getpid().as_raw(),
+        options,
+        errno: AtomicI32::new(0),
+    };
+    let mut stack = vec![0u8; CHILD_STACK];
+    // SAFETY: the stack and `setup` outlive the child's use of them: with
+    // CLONE_VFORK this thread is suspended until the child has exec'd or
+    // exited. All signals are blocked across the clone so that no handler of
+    // leaderrun's runs on the child's borrowed stack before it resets them.
+    let pid = unsafe {
+        let top = stack.as_mut_ptr().add(CHILD_STACK) as usize & !15;
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut saved: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut saved);
+        let pid = libc::clone(
+            child_main,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            &setup as *const ChildSetup as *mut libc::c_void,
+        );
+        let clone_error = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut());
+        if pid == -1 {
+            return Err(clone_error);
+        }
+        pid
+    };
+    let pid = Pid::from_raw(pid);
+    let errno = setup.errno.load(Ordering::SeqCst);
+    if errno != 0 {
+        // The child reported why it could not exec, then exited: reap it here,
+        // before the reaper (on this same thread) can see it.
+        let _ = waitpid(pid, None);
+        return Err(io::Error::from_raw_os_error(errno));
+    }
+    Ok(pid)
+}
+
+/// Stack for the cloned child until it execs; it only makes system calls.
+const CHILD_STACK: usize = 64 * 1024;
+
+/// What the cloned child reads (and, on failure, writes) in shared memory.
+struct ChildSetup {
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+    parent: libc::pid_t,
+    options: Options,
+    /// Set by the child if it cannot exec.
+    errno: AtomicI32,
+}
+
+/// The cloned child, from clone to exec. It runs on a borrowed stack in
+/// leaderrun's memory, so it makes only async-signal-safe system calls and
+/// allocates nothing.
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the ChildSetup the parent keeps alive until we exec or
+    // exit; every call below is a plain system call.
+    unsafe {
+        let setup = &*(arg as *const ChildSetup);
+        let options = &setup.options;
+        let fail = |setup: &ChildSetup| -> ! {
+            setup
+                .errno
+                .store(*libc::__errno_location(), Ordering::SeqCst);
+            libc::_exit(127)
+        };
+        // Handlers of leaderrun's (tokio's signal pipe) must not run here, and
+        // dispositions it changed must not reach the command: every caught
+        // signal goes back to its default, and so does SIGPIPE, which the Rust
+        // runtime ignores. Signals ignored when leaderrun started stay ignored.
+        let mut default: libc::sigaction = std::mem::zeroed();
+        default.sa_sigaction = libc::SIG_DFL;
+        for signal in 1..libc::SIGRTMAX() {
+            let mut current: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
+                && (current.sa_sigaction != libc::SIG_IGN || signal == libc::SIGPIPE)
+                && current.sa_sigaction != libc::SIG_DFL
+            {
+                libc::sigaction(signal, &default, std::ptr::null_mut());
+            }
+        }
+        // First of all, so nothing the child ever starts is outside it.
+        if let Some(procs) = options.cgroup_procs {
+            if libc::write(procs, c"0".as_ptr().cast(), 1) != 1 {
+                fail(setup);
+            }
+        }
+        if options.own_group && libc::setpgid(0, 0) != 0 {
+            fail(setup);
+        }
+        if let Some(stdout) = options.stdout {
+            if libc::dup2(stdout, libc::STDOUT_FILENO) < 0 {
+                fail(setup);
+            }
+        }
+        if let Some(fd) = options.keep_fd {
+            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                fail(setup);
+            }
+        }
+        if options.take_terminal {
+            // A child in a background group that reads the terminal gets
+            // SIGTTIN, and the terminal's Ctrl-C would go to leaderrun's group
+            // instead of the child's: give the child the foreground, as a
+            // shell does for a job. All signals are still blocked, so the
+            // SIGTTOU that tcsetpgrp raises in a background group is too.
+            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpid());
+        }
+        if options.death_signal {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                fail(setup);
+            }
+            // If leaderrun died before the prctl above, the death signal was
+            // never armed: the child has been re-parented already.
+            if libc::getppid() != setup.parent {
+                libc::_exit(128 + libc::SIGKILL);
+            }
+        }
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+        libc::execve(setup.path, setup.argv, setup.envp);
+        fail(setup)
+    }
+}

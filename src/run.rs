@@ -1,0 +1,152 @@
+//! Running leaderrun: from the parsed command line to an exit status. Sets
+//! the process up (containment, guard, subreaper, runtime, signals), opens
+//! the lease, and runs the supervisor beside the host's signal loop.
+
+use std::convert::Infallible;
+use std::rc::Rc;
+
+use anyhow::Context as _;
+use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tracing::{info, warn};
+
+use crate::backend::{Fatal, Identity, LeaseConfig};
+use crate::cli::RunArgs;
+use crate::error::{ConfigError, Exit};
+use crate::log;
+use crate::metrics::{self, Metrics};
+use crate::process::{self, Containment, Guard, Host};
+use crate::signals::{SignalEvent, Signals};
+use crate::spec::{KeySource, Spec};
+use crate::supervisor::{Health, HostEvent, LeaseSpec, Supervisor};
+
+/// How a run fails before it has an exit status of its own to give.
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    /// Exit 2: the operator's input or environment is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The backend refused for good (exit 2, 65 or 70, by kind).
+    #[error(transparent)]
+    Fatal(#[from] Fatal),
+    /// Exit 70.
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+impl Failure {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Failure::Config(_) => Exit::USAGE,
+            Failure::Fatal(fatal) => fatal.exit_code(),
+            Failure::Internal(_) => Exit::INTERNAL,
+        }
+    }
+}
+
+/// `leaderrun [OPTIONS] --key KEY -- COMMAND...`
+pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
+    let log_args = args.lease.log.clone();
+    let spec = Spec::from_args(args, key_source)?;
+    log::init(
+        &log_args,
+        vec![("key", spec.key.clone()), ("owner", spec.owner.clone())],
+    )?;
+    // Checked before campaigning: a command that cannot run takes no lease.
+    let program = match process::resolve(&spec.command[0]) {
+        Ok(program) => program,
+        Err(e) => {
+            eprintln!("leaderrun: error: {e}");
+            return Ok(Exit::Child(e.exit_code()));
+        }
+    };
+    if spec.require_fence_advance {
+        spec.backend
+            .capabilities()
+            .require_fence_advance(spec.backend.as_ref())?;
+    }
+    let store = spec.backend.lease(LeaseConfig {
+        key: spec.key.clone(),
+        me: Identity::new(&spec.owner),
+        ttl: spec.timing.ttl,
+        call_timeout: spec.timing.call_timeout(),
+    })?;
+    // The keeper is this very binary, run again: /proc/self/exe names it
+    // even if the file was replaced since.
+    let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
+    // The guard must be forked while the process still has one thread. As
+    // PID 1 it is not needed: the kernel kills the whole namespace with us.
+    let guard = if std::process::id() == 1 {
+        None
+    } else {
+        Guard::start(containment.cgroup_dir())
+            .inspect_err(|e| warn!(error = %e, "cannot start the guard process; a term's processes may outlive a killed leaderrun"))
+            .ok()
+    };
+    if let Err(e) = process::become_subreaper() {
+        warn!(error = %e, "cannot become a child subreaper; orphans of a term are reaped by init");
+    }
+    // A current-thread runtime on the main thread: every process is spawned
+    // from this thread, which lives as long as leaderrun (see spawn.rs).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(4)
+        .build()
+        .context("cannot start the runtime")?;
+    let exit = runtime.block_on(async {
+        let signals = Signals::register().context("cannot register signal handlers")?;
+        let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
+        if let Some(address) = &spec.metrics_addr {
+            metrics::serve(address, metrics.clone())?;
+        }
+        info!(backend = %spec.backend, containment = %containment.describe(), "starting");
+        let host = Host::new(containment.clone(), guard);
+        let (events, receiver) = unbounded_channel();
+        let lease = LeaseSpec {
+            key: spec.key.clone(),
+            owner: spec.owner.clone(),
+            timing: spec.timing,
+            token_env: spec.token_env.clone(),
+            yield_signal: spec.yield_signal,
+            wait: spec.wait,
+            hold_for: spec.hold_for,
+            fence_floor_cmd: spec.fence_floor_cmd.clone(),
+            claim_cmd: spec.claim_cmd.clone(),
+            program,
+            argv: spec.command.clone(),
+            extra_env: Vec::new(),
+        };
+        let supervisor =
+            Supervisor::new(lease, store, host.clone(), receiver, Health::new(metrics));
+        tokio::select! {
+            ended = supervisor.run() => Ok::<_, Failure>(ended?),
+            never = serve_signals(host, signals, vec![events]) => match never {},
+        }
+    });
+    // A backend call abandoned at its timeout may still occupy a blocking
+    // thread; exiting must not wait for it.
+    runtime.shutdown_background();
+    containment.remove();
+    exit
+}
+
+/// The host's signal loop: reaps on SIGCHLD, and passes stop and forwarded
+/// signals to every lease's supervisor.
+pub async fn serve_signals(
+    host: Rc<Host>,
+    mut signals: Signals,
+    leases: Vec<UnboundedSender<HostEvent>>,
+) -> Infallible {
+    loop {
+        let event = match signals.next().await {
+            SignalEvent::ChildChanged => {
+                host.reap();
+                continue;
+            }
+            SignalEvent::Stop(signal) => HostEvent::Stop(signal),
+            SignalEvent::Forward(signal) => HostEvent::Forward(signal),
+        };
+        for lease in &leases {
+            let _ = lease.send(event);
+        }
+    }
+}
