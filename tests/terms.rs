@@ -192,6 +192,48 @@ fn killing_leaderrun_kills_the_child_and_grandchild_and_frees_the_lease_at_once(
     );
 }
 
+/// `leaderrun --key k -- sh -c 'setsid … & sleep 30'`, then `kill -9` of
+/// leaderrun: the grandchild in a session of its own, which ignores
+/// SIGTERM, is dead within a second, and so is everything else of the term.
+fn kill_9_leaves_nothing_behind(containment: &str) {
+    let sandbox = Sandbox::new();
+    let leader = sandbox
+        .leaderrun("setsid-crash")
+        .args(["--containment", containment])
+        .sh("setsid sh -c 'trap \"\" TERM; echo $$ > escapee.pid; exec sleep 77' & echo $$ > child.pid; sleep 30")
+        .spawn();
+    let child = sandbox.wait_pid("child.pid");
+    let escapee = sandbox.wait_pid("escapee.pid");
+    assert!(alive(escapee));
+    leader.signal(Signal::SIGKILL);
+    let escapee_gone = wait_dead(escapee, Duration::from_secs(5));
+    let child_gone = wait_dead(child, Duration::from_secs(5));
+    ensure_dead(escapee);
+    ensure_dead(child);
+    assert!(
+        child_gone.is_some(),
+        "{containment}: the child outlived leaderrun"
+    );
+    assert!(
+        escapee_gone.is_some_and(|d| d < Duration::from_secs(1)),
+        "{containment}: the setsid'd grandchild outlived leaderrun ({escapee_gone:?})"
+    );
+}
+
+#[test]
+fn kill_9_of_leaderrun_kills_a_setsid_grandchild_that_ignores_term_with_a_keeper() {
+    kill_9_leaves_nothing_behind("keeper");
+}
+
+#[test]
+fn kill_9_of_leaderrun_kills_a_setsid_grandchild_that_ignores_term_with_cgroups() {
+    if !common::cgroups_writable() {
+        eprintln!("no writable cgroup2 here: the keeper test covers this machine");
+        return;
+    }
+    kill_9_leaves_nothing_behind("cgroup");
+}
+
 #[test]
 fn tokens_keep_growing_after_every_process_is_killed() {
     let sandbox = Sandbox::new();

@@ -13,6 +13,8 @@ mod campaign;
 pub mod driver;
 mod health;
 pub mod term;
+#[cfg(test)]
+mod timeline_tests;
 
 use std::ffi::OsString;
 use std::path::PathBuf;

@@ -345,6 +345,20 @@ pub fn wait_dead(pid: Pid, timeout: Duration) -> Option<Duration> {
     wait_until(timeout, || !alive(pid)).then(|| start.elapsed())
 }
 
+/// Whether this machine lets a process make cgroups (a writable cgroup2
+/// hierarchy: root here), as leaderrun's `--containment cgroup` needs.
+pub fn cgroups_writable() -> bool {
+    let sandbox = Sandbox::new();
+    let out = Command::new(BIN)
+        .args(["--containment", "cgroup", "--key", "probe", "--backend"])
+        .arg(format!("file://{}", sandbox.state_dir().display()))
+        .args(["--", "true"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    out.status.success()
+}
+
 /// Kills a pid if it is still alive (cleanup for processes a test expected
 /// leaderrun to kill).
 pub fn ensure_dead(pid: Pid) {
