@@ -50,7 +50,7 @@ pub struct Shared {
     pub boot_id: String,
     /// The head of the line's watch on the lease file, re-added when an
     /// operator replaces the file.
-    pub watch: Mutex<Watch>,
+    pub watch: Watch,
     /// The open lease file, reopened if an operator replaces it. The mutex
     /// also keeps two calls of this process apart: OFD locks do not conflict
     /// within one open file description.
@@ -264,7 +264,9 @@ impl Shared {
             if slot.is_none() {
                 *slot = Some(self.open_lease_file().map_err(|e| self.io("open", e))?);
                 // The old watch went with the old file.
-                self.rewatch().map_err(|e| self.io("watch", e))?;
+                self.watch
+                    .rewatch(&self.path())
+                    .map_err(|e| self.io("watch", e))?;
             }
             let file = slot.as_ref().expect("opened above");
             lock::lock_mutex(file, patience).map_err(|e| self.io("lock", e))?;

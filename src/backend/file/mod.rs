@@ -135,7 +135,7 @@ impl Backend for FileBackend {
                 key: key.to_owned(),
                 me: None,
                 boot_id: clock::boot_id(),
-                watch: Mutex::new(Watch::Unstarted),
+                watch: Watch::default(),
                 file: Mutex::new(None),
             }),
             line: Arc::default(),
@@ -165,7 +165,7 @@ impl FileStore {
                 pruned_at: Mutex::new(None),
             }),
             boot_id: clock::boot_id(),
-            watch: Mutex::new(Watch::Unstarted),
+            watch: Watch::default(),
             file: Mutex::new(None),
         };
         let file = shared
@@ -261,10 +261,10 @@ impl LeaseStore for FileStore {
             if !self.line.follow(&self.shared) {
                 self.line.head.notified().await;
                 // The new head attempts at once, watching or not.
-                self.shared.head_watch();
+                self.shared.watch.head(&self.shared.path());
                 return;
             }
-            match self.shared.head_watch() {
+            match self.shared.watch.head(&self.shared.path()) {
                 HeadWatch::Wait(events) => watch::changed(&events).await,
                 HeadWatch::Started => {}
                 HeadWatch::Poll => std::future::pending().await,
@@ -274,7 +274,7 @@ impl LeaseStore for FileStore {
 
     fn leading(&self) {
         self.line.leave();
-        self.shared.stop_watch();
+        self.shared.watch.stop();
     }
 }
 

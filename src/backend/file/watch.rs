@@ -9,17 +9,23 @@
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
-use std::sync::Arc;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
-use super::lease::Shared;
-
 /// The watch of one replica on one lease file.
-pub enum Watch {
+#[derive(Default)]
+pub struct Watch {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+enum State {
     /// No inotify descriptor yet: this replica has not headed the line.
+    #[default]
     Unstarted,
     /// inotify could not be set up: the head polls instead.
     Unavailable,
@@ -51,53 +57,58 @@ pub enum HeadWatch {
     Poll,
 }
 
-impl Shared {
-    /// The head's watch: started if it is not yet (then `Started`).
-    pub fn head_watch(&self) -> HeadWatch {
-        let mut watch = self.watch.lock().unwrap_or_else(|e| e.into_inner());
-        let events = match &*watch {
-            Watch::Watching(events, _) => return HeadWatch::Wait(events.clone()),
-            Watch::Unavailable => return HeadWatch::Poll,
-            Watch::Idle(events) => events.clone(),
-            Watch::Unstarted => match setup() {
+impl Watch {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The head's watch on the lease file at `path`: started if it is not
+    /// yet (then `Started`).
+    pub fn head(&self, path: &Path) -> HeadWatch {
+        let mut state = self.state();
+        let events = match &*state {
+            State::Watching(events, _) => return HeadWatch::Wait(events.clone()),
+            State::Unavailable => return HeadWatch::Poll,
+            State::Idle(events) => events.clone(),
+            State::Unstarted => match setup() {
                 Ok(events) => Arc::new(events),
                 Err(e) => {
                     warn!(error = %e, "cannot watch the lease file; followers fall back to polling");
-                    *watch = Watch::Unavailable;
+                    *state = State::Unavailable;
                     return HeadWatch::Poll;
                 }
             },
         };
-        match add(&events, self) {
+        match add(&events, path) {
             Ok(wd) => {
-                *watch = Watch::Watching(events, wd);
+                *state = State::Watching(events, wd);
                 HeadWatch::Started
             }
             Err(e) => {
                 debug!(error = %e, "cannot watch the lease file; polling");
-                *watch = Watch::Idle(events);
+                *state = State::Idle(events);
                 HeadWatch::Poll
             }
         }
     }
 
     /// Stops watching (this replica leads, or left the head).
-    pub fn stop_watch(&self) {
-        let mut watch = self.watch.lock().unwrap_or_else(|e| e.into_inner());
-        if let Watch::Watching(events, wd) = &*watch {
+    pub fn stop(&self) {
+        let mut state = self.state();
+        if let State::Watching(events, wd) = &*state {
             let _ = events.get_ref().0.rm_watch(*wd);
-            *watch = Watch::Idle(events.clone());
+            *state = State::Idle(events.clone());
         }
     }
 
-    /// Watches the lease file again after it was reopened (an operator
-    /// replaced it): the old watch went with the old file.
-    pub fn rewatch(&self) -> io::Result<()> {
-        let mut watch = self.watch.lock().unwrap_or_else(|e| e.into_inner());
-        if let Watch::Watching(events, _) = &*watch {
+    /// Watches the lease file at `path` again after it was reopened (an
+    /// operator replaced it): the old watch went with the old file.
+    pub fn rewatch(&self, path: &Path) -> io::Result<()> {
+        let mut state = self.state();
+        if let State::Watching(events, _) = &*state {
             let events = events.clone();
-            let wd = add(&events, self)?;
-            *watch = Watch::Watching(events, wd);
+            let wd = add(&events, path)?;
+            *state = State::Watching(events, wd);
         }
         Ok(())
     }
@@ -111,9 +122,9 @@ fn setup() -> io::Result<Events> {
         .map_err(|e| e.into())
 }
 
-fn add(events: &Events, shared: &Shared) -> io::Result<WatchDescriptor> {
+fn add(events: &Events, path: &Path) -> io::Result<WatchDescriptor> {
     Ok(events.get_ref().0.add_watch(
-        &shared.path(),
+        path,
         AddWatchFlags::IN_MODIFY
             | AddWatchFlags::IN_CLOSE_WRITE
             | AddWatchFlags::IN_ATTRIB
