@@ -91,7 +91,7 @@ fn roff(sections: &[(&str, &[(&str, &str)])]) -> String {
     let escape = |text: &str| text.replace('\\', "\\\\").replace('-', "\\-");
     let mut out = String::new();
     for (heading, items) in sections {
-        out.push_str(&format!(".SH {heading}\n"));
+        out.push_str(&format!(".SH \"{heading}\"\n"));
         for (term, text) in *items {
             out.push_str(&format!(
                 ".TP\n\\fB{}\\fR\n{}\n",

@@ -280,7 +280,7 @@ fn suite(mut run: Run) {
                 .append(true)
                 .open(dir.join(format!("r{i}.log")))
                 .unwrap();
-            Command::new(BIN)
+            common::dies_with_the_test(&mut Command::new(BIN))
                 .args([
                     "--backend",
                     &urls[i],

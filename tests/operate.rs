@@ -4,14 +4,13 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::redis_server::{RedisServer, free_port};
-use common::{BIN, FAST, Sandbox, wait_until};
+use common::{BIN, FAST, Sandbox, get, wait_until};
 use nix::sys::signal::Signal;
 
 const LONG: Duration = Duration::from_secs(20);
@@ -107,24 +106,6 @@ fn candidates_on_redis() {
     let server = RedisServer::start();
     server.wait_uptime(None, 2);
     candidates(server.url(), &Sandbox::new());
-}
-
-/// GET over plain HTTP/1.1: (status, body).
-fn get(port: u16, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let status = response.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
 }
 
 /// The value of a metric sample line `name{labels} value`.
@@ -321,8 +302,25 @@ fn the_cron_recipe_runs_the_job_once_per_schedule() {
         .lines()
         .find(|l| !l.starts_with('#') && !l.trim().is_empty())
         .unwrap();
+    // A nightly job, as its name says: minute, hour, then every day.
+    let fields: Vec<&str> = line.split(' ').take(5).collect();
+    assert_eq!(fields[2..], ["*", "*", "*"], "{line}");
+    assert!(
+        fields[0].parse::<u8>().is_ok() && fields[1].parse::<u8>().is_ok(),
+        "{line}"
+    );
     // Five time fields and a user, then the command cron runs with sh.
     let command = line.splitn(7, ' ').nth(6).unwrap();
+    // The backend is shared and comes from a root-only file, not the
+    // default file backend of each host.
+    assert!(
+        command.starts_with(". /etc/leaderrun/backend.env && "),
+        "{command}"
+    );
+    assert!(
+        crontab.contains("install -m 600"),
+        "the file is root's only"
+    );
     let sandbox = Sandbox::new();
     let job = sandbox.path("nightly-report");
     std::fs::write(
@@ -332,17 +330,24 @@ fn the_cron_recipe_runs_the_job_once_per_schedule() {
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&job, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let env_file = sandbox.path("backend.env");
+    std::fs::write(
+        &env_file,
+        format!("export LEADERRUN_BACKEND={}\n", sandbox.backend()),
+    )
+    .unwrap();
     // The recipe holds the lease for 2 minutes; the test, for 3 seconds.
     assert!(command.contains("--hold-for 2m"));
     let command = command
         .replace("/usr/local/bin/nightly-report", job.to_str().unwrap())
+        .replace("/etc/leaderrun/backend.env", env_file.to_str().unwrap())
         .replace("--hold-for 2m", "--hold-for 3s");
     let bin_dir = Path::new(BIN).parent().unwrap();
     let run = || {
         Command::new("sh")
             .args(["-c", &command])
             .env("PATH", format!("{}:/usr/bin:/bin", bin_dir.display()))
-            .env("XDG_STATE_HOME", sandbox.path("state"))
+            .env_remove("LEADERRUN_BACKEND")
             .env("SANDBOX", sandbox.path(""))
             .stderr(std::process::Stdio::null())
             .spawn()

@@ -417,29 +417,7 @@ fn wait_gives_up_with_75_after_its_duration() {
 fn block_the_backend(sandbox: &Sandbox, key: &str) -> std::process::Child {
     let out = sandbox.leaderrun(key).sh("true").run();
     assert_eq!(out.code, 0);
-    hold_the_mutex(sandbox)
-}
-
-/// Takes the mutex byte of the sandbox's only lease file from a Python
-/// process, so that leaderrun cannot ask the file backend until it is killed.
-fn hold_the_mutex(sandbox: &Sandbox) -> std::process::Child {
-    let file = std::fs::read_dir(sandbox.state_dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|e| e == "lease"))
-        .expect("a lease file");
-    let _ = std::fs::remove_file(sandbox.path("blocked"));
-    let script = format!(
-        "import fcntl, os, time\nfd = os.open({:?}, os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX, 1, 1 << 40)\nopen('blocked', 'w').close()\ntime.sleep(60)\n",
-        file.display().to_string()
-    );
-    let blocker = std::process::Command::new("python3")
-        .args(["-c", &script])
-        .current_dir(sandbox.path(""))
-        .spawn()
-        .expect("python3");
-    assert!(wait_until(LONG, || sandbox.path("blocked").exists()));
-    blocker
+    sandbox.hold_the_mutex()
 }
 
 #[test]
@@ -452,7 +430,7 @@ fn an_outage_shorter_than_the_renewal_budget_costs_nothing() {
     assert!(wait_until(LONG, || sandbox.path("started").exists()));
     // The budget is 600 ms with the test timing; 300 ms of outage is bridged
     // by a renewal that waits, or by its retry.
-    let mut blocker = hold_the_mutex(&sandbox);
+    let mut blocker = sandbox.hold_the_mutex();
     std::thread::sleep(Duration::from_millis(300));
     blocker.kill().unwrap();
     blocker.wait().unwrap();
@@ -476,7 +454,7 @@ fn a_longer_outage_ends_the_term_at_the_deadline_and_leads_again_after() {
         .spawn();
     assert!(wait_until(LONG, || sandbox.lines("tokens").len() == 1));
     let blocked_at = Instant::now();
-    let mut blocker = hold_the_mutex(&sandbox);
+    let mut blocker = sandbox.hold_the_mutex();
     // The last successful renewal was sent at most 400 ms before the block,
     // and the yield point is 1 s after it (ttl 2s − margin − release − grace).
     assert!(wait_until(LONG, || sandbox.path("yielded").exists()));

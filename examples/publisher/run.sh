@@ -12,11 +12,26 @@
 #      counter passes 50. The time that takes is measured.
 #
 # Usage: examples/publisher/run.sh [file] [redis]    (default: both)
-# Needs leaderrun on PATH (or $LEADERRUN), sqlite3, and redis-server for Redis.
+# Needs sqlite3, redis-server for Redis, and leaderrun: $LEADERRUN if set,
+# else the checkout's own build (target/release or target/debug, the newer),
+# else the one on PATH.
 # Timing comes from the usual LEADERRUN_* variables (defaults otherwise).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-leaderrun=${LEADERRUN:-leaderrun}
+checkout=$(cd "$here/../.." && pwd)
+leaderrun=${LEADERRUN:-}
+if [ -z "$leaderrun" ]; then
+    for build in "$checkout/target/release/leaderrun" "$checkout/target/debug/leaderrun"; do
+        [ -x "$build" ] || continue
+        if [ -z "$leaderrun" ] || [ "$build" -nt "$leaderrun" ]; then leaderrun=$build; fi
+    done
+fi
+if [ -z "$leaderrun" ]; then
+    leaderrun=$(command -v leaderrun) || {
+        echo "run.sh: no leaderrun: build it (cargo build --release) or install it (cargo install --locked --path .)" >&2
+        exit 1
+    }
+fi
 work=$(mktemp -d)
 redis_pid=
 cleanup() {

@@ -89,6 +89,9 @@ impl<P: Processes> Supervisor<P> {
                     Wake::GaveUp => return self.give_up(),
                 }
             }
+            // Release notices may cut a wait short, but not a hold-off's:
+            // the lease is not to be taken before it ends.
+            let mut notices = true;
             let wake_at = match self.attempt(give_up_at).await {
                 Ok((Attempt::Acquired { token }, sent_at)) => {
                     self.health.reachable();
@@ -130,6 +133,7 @@ impl<P: Processes> Supervisor<P> {
                         };
                         info!(why, retry_in = %show(retry_in), "lease held off{note}");
                     }
+                    notices = false;
                     Instant::now() + retry_in.max(Duration::from_millis(1))
                 }
                 Err(AttemptError::Unreachable(error)) => {
@@ -151,7 +155,7 @@ impl<P: Processes> Supervisor<P> {
                 Err(AttemptError::Stopped) => return Campaign::Stopped,
                 Err(AttemptError::GaveUp) => return self.give_up(),
             };
-            next = Some((wake_at, true));
+            next = Some((wake_at, notices));
         }
     }
 

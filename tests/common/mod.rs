@@ -18,6 +18,27 @@ use nix::unistd::Pid;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_leaderrun");
 
+/// Makes a process the harness starts die with the test that started it:
+/// when the test's thread ends, also when the whole test run is killed
+/// (SIGKILL, a CI timeout), so no supervisor or server outlives it.
+pub fn dies_with_the_test(command: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure only makes async-signal-safe system calls.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The test died before the prctl: too late for the signal.
+            if libc::getppid() != parent {
+                libc::_exit(137);
+            }
+            Ok(())
+        })
+    }
+}
+
 /// Timing for tests: a 2 s ttl keeps waits short; the budget for a backend
 /// outage is ttl − renew − grace − release − margin = 600 ms.
 pub const FAST: [&str; 12] = [
@@ -140,6 +161,31 @@ impl Sandbox {
             .collect()
     }
 
+    /// Takes the mutex byte of the sandbox's only lease file from a Python
+    /// process, as a replica stopped in the middle of a read-modify-write
+    /// would: leaderrun cannot ask the file backend until it is killed.
+    pub fn hold_the_mutex(&self) -> std::process::Child {
+        let file = fs::read_dir(self.state_dir())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|e| e == "lease"))
+            .expect("a lease file");
+        let _ = fs::remove_file(self.path("blocked"));
+        let script = format!(
+            "import fcntl, os, time\nfd = os.open({:?}, os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX, 1, 1 << 40)\nopen('blocked', 'w').close()\ntime.sleep(60)\n",
+            file.display().to_string()
+        );
+        let blocker = dies_with_the_test(&mut Command::new("python3"))
+            .args(["-c", &script])
+            .current_dir(self.path(""))
+            .spawn()
+            .expect("python3");
+        assert!(wait_until(Duration::from_secs(20), || self
+            .path("blocked")
+            .exists()));
+        blocker
+    }
+
     /// Waits until a file holds a number (a pid a child wrote) and returns it.
     pub fn wait_pid(&self, name: &str) -> Pid {
         let path = self.path(name);
@@ -168,6 +214,7 @@ pub struct Run {
 impl Run {
     pub fn new(dir: &Path) -> Run {
         let mut cmd = Command::new(BIN);
+        dies_with_the_test(&mut cmd);
         cmd.current_dir(dir)
             .env_remove("LEADERRUN_BACKEND")
             .env_remove("LEADERRUN_KEY")
@@ -343,6 +390,25 @@ pub fn alive(pid: Pid) -> bool {
 pub fn wait_dead(pid: Pid, timeout: Duration) -> Option<Duration> {
     let start = Instant::now();
     wait_until(timeout, || !alive(pid)).then(|| start.elapsed())
+}
+
+/// GET over plain HTTP/1.1: (status, body).
+pub fn get(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
 }
 
 /// Whether this machine lets a process make cgroups (a writable cgroup2

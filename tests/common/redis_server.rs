@@ -172,7 +172,7 @@ impl RedisServer {
 
     fn run(&mut self) {
         let log = std::fs::File::create(self.dir.path().join("redis.log")).unwrap();
-        let child = Command::new("redis-server")
+        let child = super::dies_with_the_test(&mut Command::new("redis-server"))
             .args(["--save", "", "--appendonly", "no", "--dir"])
             .arg(self.dir.path())
             .args(&self.args)

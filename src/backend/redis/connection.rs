@@ -134,7 +134,7 @@ impl Connection {
             ))
             .into();
         }
-        if code == "NOPERM" || text.contains("NOPERM") {
+        if code == "NOPERM" || text.contains("NOPERM") || text.contains("can't run this command") {
             return Fatal::Refused(format!(
                 "backend {}: the user lacks a permission: {text}; grant it (the README's ACL line lists every one leaderrun needs)",
                 self.shown

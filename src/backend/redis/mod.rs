@@ -347,17 +347,25 @@ impl RedisStore {
         let k = &self.keys;
         let probe = self
             .conn
-            .run_raw::<i64>(
+            .run_raw::<String>(
                 &self.scripts.probe,
                 &[&k.lease, &k.counter, &k.candidates, &k.released, &k.probe],
                 &[],
             )
             .await;
         match probe {
-            Ok(_) => {}
-            Err(error) if error.kind() == redis::ErrorKind::Parse => {
+            Ok(answer) if answer == "ok" => {}
+            Ok(refused) => {
                 return Err(Fatal::Refused(format!(
-                    "backend {}: the server does not answer as a Redis server ({error}); is the port that of another service, such as an HTTP server?",
+                    "backend {}: the user lacks a permission: {refused}; grant it (the README's ACL line lists every one leaderrun needs)",
+                    self.conn.shown()
+                )));
+            }
+            Err(error) if error.kind() == redis::ErrorKind::Parse => {
+                let error = error.to_string();
+                let first = error.lines().next().unwrap_or_default();
+                return Err(Fatal::Refused(format!(
+                    "backend {}: the server does not answer as a Redis server ({first}); is the port that of another service, such as an HTTP server?",
                     self.conn.shown()
                 )));
             }

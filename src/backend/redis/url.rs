@@ -1,8 +1,10 @@
 //! The Redis URL grammar, on the `url` crate:
 //!
-//!     redis://[user[:password]@]host[:port][/db]
-//!     rediss://[user[:password]@]host[:port][/db]        (TLS)
-//!     redis+unix:///path/to/socket[?db=N][&user=U][&password=P]
+//! ```text
+//! redis://[user[:password]@]host[:port][/db]
+//! rediss://[user[:password]@]host[:port][/db]        (TLS)
+//! redis+unix:///path/to/socket[?db=N][&user=U][&password=P]
+//! ```
 //!
 //! The password is a `Secret`: no `Display`, a `Debug` of `***`, and every
 //! message shows the URL masked.
