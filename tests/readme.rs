@@ -68,10 +68,15 @@ fn run(script: &str) -> (i32, String, String) {
     )
 }
 
+/// The install command, run by `tests/install.rs` (alone: it builds the
+/// release binary).
+const INSTALL: &str = "cargo install --locked --path .";
+
 #[test]
 fn every_readme_example_runs_as_shown() {
     let examples: BTreeMap<String, String> = examples().into_iter().collect();
     let expected = [
+        "install",
         "quickstart",
         "two-replicas",
         "cron",
@@ -95,6 +100,11 @@ fn every_readme_example_runs_as_shown() {
         let script = examples
             .get(name)
             .unwrap_or_else(|| panic!("README has no example {name}"));
+        if name == "install" {
+            // Run on its own below: it builds the release binary.
+            assert_eq!(script, INSTALL);
+            continue;
+        }
         let (code, stdout, stderr) = run(script);
         let context = format!("example {name}: exit {code}\nstdout: {stdout}\nstderr: {stderr}");
         match name {
