@@ -28,7 +28,11 @@ fn the_readme_install_command_installs_a_working_binary() {
         )
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let installed = root.path().join("bin/leaderrun");
     let version = Command::new(&installed).arg("--version").output().unwrap();
     assert_eq!(
@@ -36,4 +40,3 @@ fn the_readme_install_command_installs_a_working_binary() {
         format!("leaderrun {}", env!("CARGO_PKG_VERSION"))
     );
 }
-
