@@ -1,6 +1,10 @@
 /* The benchmark's child: stamps CLOCK_MONOTONIC as its first and last
  * actions. Plain C, linked statically when possible, so that its own start-up
- * is as small as a child's can be and the figure is leaderrun's. */
+ * is as small as a child's can be and the figure is leaderrun's.
+ *
+ * It holds LEADERRUN_BENCH_HOLD_MS, then, with LEADERRUN_BENCH_GO (a FIFO),
+ * until the harness opens the FIFO: the harness lets a term end only when
+ * every replica waiting for the next one is known to be waiting. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +24,8 @@ int main(void) {
     long ms = hold ? atol(hold) : 0;
     if (ms < 0) for (;;) pause();
     usleep(ms * 1000);
+    const char *go = getenv("LEADERRUN_BENCH_GO");
+    if (go) close(open(go, O_RDONLY | O_CLOEXEC));
     stamp(fd, "end");
     return 0;
 }

@@ -11,11 +11,15 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write as _};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+
+use std::os::unix::fs::OpenOptionsExt;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+
+use super::spawn::CgroupFds;
 
 /// This leaderrun's directory of unit cgroups.
 #[derive(Debug, Clone)]
@@ -63,13 +67,23 @@ impl Cgroups {
     pub fn unit(&self, id: u64) -> io::Result<UnitCgroup> {
         let path = unit_path(&self.dir, id);
         fs::create_dir(&path)?;
-        let procs = OpenOptions::new()
-            .write(true)
-            .open(path.join("cgroup.procs"))
-            .inspect_err(|_| {
+        let opened = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(&path)
+            .and_then(|dir| {
+                let procs = OpenOptions::new()
+                    .write(true)
+                    .open(path.join("cgroup.procs"))?;
+                Ok((dir, procs))
+            });
+        match opened {
+            Ok((dir, procs)) => Ok(UnitCgroup { path, dir, procs }),
+            Err(e) => {
                 let _ = fs::remove_dir(&path);
-            })?;
-        Ok(UnitCgroup { path, procs })
+                Err(e)
+            }
+        }
     }
 
     /// Removes this leaderrun's directory (at exit: every unit is gone).
@@ -87,7 +101,10 @@ pub fn unit_path(dir: &Path, id: u64) -> PathBuf {
 #[derive(Debug)]
 pub struct UnitCgroup {
     path: PathBuf,
-    /// Open `cgroup.procs`: the spawned child writes "0" to it before exec.
+    /// The cgroup's directory: the child is born in it (`clone3`).
+    dir: File,
+    /// Its `cgroup.procs`, for a kernel without `CLONE_INTO_CGROUP`: the
+    /// child writes itself into it before exec.
     procs: File,
 }
 
@@ -96,8 +113,11 @@ impl UnitCgroup {
         &self.path
     }
 
-    pub fn procs_fd(&self) -> RawFd {
-        self.procs.as_raw_fd()
+    pub fn fds(&self) -> CgroupFds {
+        CgroupFds {
+            dir: self.dir.as_raw_fd(),
+            procs: self.procs.as_raw_fd(),
+        }
     }
 
     /// Whether any process is in the cgroup (zombies are not).

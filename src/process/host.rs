@@ -153,7 +153,7 @@ impl Processes for Rc<Host> {
                     &command,
                     Options {
                         stdout,
-                        cgroup_procs: Some(cgroup.procs_fd()),
+                        cgroup: Some(cgroup.fds()),
                         own_group: true,
                         death_signal: true,
                         take_terminal,

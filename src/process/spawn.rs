@@ -38,15 +38,23 @@ pub struct Options {
     /// A descriptor the child keeps across exec (a keeper's socket); every
     /// other descriptor of leaderrun's is close-on-exec.
     pub keep_fd: Option<RawFd>,
-    /// An open `cgroup.procs` the child writes itself into before exec, so
+    /// The unit's cgroup: the child is born in it (or, on a kernel or an
+    /// architecture without `clone3`, writes itself into it before exec), so
     /// that everything it ever starts is in its cgroup from the first fork.
-    pub cgroup_procs: Option<RawFd>,
+    pub cgroup: Option<CgroupFds>,
     /// The child leads a process group of its own.
     pub own_group: bool,
     /// The child gets SIGKILL when the spawning thread dies.
     pub death_signal: bool,
     /// The child's group takes the terminal's foreground.
     pub take_terminal: bool,
+}
+
+/// A cgroup's directory and its open `cgroup.procs`.
+#[derive(Debug, Clone, Copy)]
+pub struct CgroupFds {
+    pub dir: RawFd,
+    pub procs: RawFd,
 }
 
 /// Starts `command`; returns its pid once it has exec'd. An exec that fails
@@ -77,39 +85,55 @@ pub fn spawn(command: &Command<'_>, options: Options) -> io::Result<Pid> {
     };
     let argv_ptrs = pointers(&argv);
     let envp_ptrs = pointers(&envp);
-    let setup = ChildSetup {
+    let mut setup = ChildSetup {
         path: path.as_ptr(),
         argv: argv_ptrs.as_ptr(),
         envp: envp_ptrs.as_ptr(),
         parent: nix::unistd::getpid().as_raw(),
         options,
+        join_cgroup: None,
         errno: AtomicI32::new(0),
     };
-    let mut stack = vec![0u8; CHILD_STACK];
+    // 16-byte aligned, as both ABIs want the stack at a call.
+    let mut stack = vec![0u128; CHILD_STACK / 16];
     // SAFETY: the stack and `setup` outlive the child's use of them: with
     // CLONE_VFORK this thread is suspended until the child has exec'd or
     // exited. All signals are blocked across the clone so that no handler of
     // leaderrun's runs on the child's borrowed stack before it resets them.
     let pid = unsafe {
-        let top = stack.as_mut_ptr().add(CHILD_STACK) as usize & !15;
+        let base = stack.as_mut_ptr().cast::<u8>();
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut saved: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
         libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut saved);
-        let pid = libc::clone(
-            child_main,
-            top as *mut libc::c_void,
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            &setup as *const ChildSetup as *mut libc::c_void,
-        );
-        let clone_error = io::Error::last_os_error();
+        let mut pid: libc::c_long = -1;
+        let mut clone_error = io::Error::from_raw_os_error(libc::ENOSYS);
+        if let Some(cgroup) = options.cgroup {
+            // Born in the cgroup: moving a process into one afterwards waits
+            // for an RCU grace period in the kernel, milliseconds on the
+            // critical path of a handover.
+            pid = clone3::into_cgroup(cgroup.dir, base, CHILD_STACK, &setup);
+            clone_error = io::Error::last_os_error();
+            if pid == -1 && clone3::unsupported(&clone_error) {
+                setup.join_cgroup = Some(cgroup.procs);
+            }
+        }
+        if pid == -1 && (options.cgroup.is_none() || setup.join_cgroup.is_some()) {
+            pid = libc::c_long::from(libc::clone(
+                child_main,
+                base.add(CHILD_STACK).cast(),
+                libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+                &setup as *const ChildSetup as *mut libc::c_void,
+            ));
+            clone_error = io::Error::last_os_error();
+        }
         libc::pthread_sigmask(libc::SIG_SETMASK, &saved, std::ptr::null_mut());
         if pid == -1 {
             return Err(clone_error);
         }
         pid
     };
-    let pid = Pid::from_raw(pid);
+    let pid = Pid::from_raw(pid as libc::pid_t);
     let errno = setup.errno.load(Ordering::SeqCst);
     if errno != 0 {
         // The child reported why it could not exec, then exited: reap it here,
@@ -130,6 +154,9 @@ struct ChildSetup {
     envp: *const *const libc::c_char,
     parent: libc::pid_t,
     options: Options,
+    /// A `cgroup.procs` to write the child into (when it could not be born
+    /// in its cgroup).
+    join_cgroup: Option<RawFd>,
     /// Set by the child if it cannot exec.
     errno: AtomicI32,
 }
@@ -165,7 +192,7 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             }
         }
         // First of all, so nothing the child ever starts is outside it.
-        if let Some(procs) = options.cgroup_procs {
+        if let Some(procs) = setup.join_cgroup {
             if libc::write(procs, c"0".as_ptr().cast(), 1) != 1 {
                 fail(setup);
             }
@@ -206,5 +233,142 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
         libc::execve(setup.path, setup.argv, setup.envp);
         fail(setup)
+    }
+}
+
+/// `clone3` with `CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP`: the child
+/// runs `child_main` on its own stack in leaderrun's memory, like `clone`,
+/// and is born in the cgroup. libc has no wrapper that runs a function on
+/// the new stack, so the child's first instructions are written here.
+mod clone3 {
+    use std::io;
+    use std::os::fd::RawFd;
+
+    use super::{ChildSetup, child_main};
+
+    /// `struct clone_args` of the kernel (linux/sched.h).
+    #[repr(C)]
+    #[derive(Default)]
+    struct CloneArgs {
+        flags: u64,
+        pidfd: u64,
+        child_tid: u64,
+        parent_tid: u64,
+        exit_signal: u64,
+        stack: u64,
+        stack_size: u64,
+        tls: u64,
+        set_tid: u64,
+        set_tid_size: u64,
+        cgroup: u64,
+    }
+
+    const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+
+    /// Whether the kernel lacks `clone3` or `CLONE_INTO_CGROUP` (Linux
+    /// before 5.7): fall back to `clone` and joining the cgroup.
+    pub fn unsupported(error: &io::Error) -> bool {
+        matches!(
+            error.raw_os_error(),
+            Some(libc::ENOSYS) | Some(libc::EINVAL) | Some(libc::E2BIG)
+        )
+    }
+
+    /// Returns the child's pid, or -1 with errno set.
+    ///
+    /// # Safety
+    ///
+    /// As for `clone` with `CLONE_VM | CLONE_VFORK`: `stack` (16-byte
+    /// aligned, `size` bytes) and `setup` live until the child has exec'd or
+    /// exited, which this call waits for.
+    pub unsafe fn into_cgroup(
+        cgroup: RawFd,
+        stack: *mut u8,
+        size: usize,
+        setup: &ChildSetup,
+    ) -> libc::c_long {
+        let args = CloneArgs {
+            flags: (libc::CLONE_VM | libc::CLONE_VFORK) as u64 | CLONE_INTO_CGROUP,
+            exit_signal: libc::SIGCHLD as u64,
+            stack: stack as u64,
+            stack_size: size as u64,
+            cgroup: cgroup as u64,
+            ..CloneArgs::default()
+        };
+        let arg = setup as *const ChildSetup as *mut libc::c_void;
+        // SAFETY: upheld by the caller; the child never returns from `call`.
+        unsafe { raw(&args, arg) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn raw(args: &CloneArgs, arg: *mut libc::c_void) -> libc::c_long {
+        let ret: libc::c_long;
+        // SAFETY: the child starts at the instruction after `syscall` on
+        // the new stack, with the other registers as they were: it calls
+        // child_main(arg), which execs or exits, and exits if it returns.
+        unsafe {
+            std::arch::asm!(
+                "syscall",
+                "test rax, rax",
+                "jnz 2f",
+                "mov rdi, {arg}",
+                "call {main}",
+                "mov edi, eax",
+                "mov eax, 60",
+                "syscall",
+                "ud2",
+                "2:",
+                main = in(reg) child_main as extern "C" fn(*mut libc::c_void) -> libc::c_int,
+                arg = in(reg) arg,
+                inlateout("rax") libc::SYS_clone3 => ret,
+                in("rdi") args as *const CloneArgs,
+                in("rsi") std::mem::size_of::<CloneArgs>(),
+                out("rcx") _,
+                out("r11") _,
+            );
+        }
+        if ret < 0 {
+            // SAFETY: errno is this thread's.
+            unsafe { *libc::__errno_location() = -ret as libc::c_int };
+            return -1;
+        }
+        ret
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    unsafe fn raw(args: &CloneArgs, arg: *mut libc::c_void) -> libc::c_long {
+        let ret: libc::c_long;
+        // SAFETY: as on x86_64: the child calls child_main(arg) on its stack.
+        unsafe {
+            std::arch::asm!(
+                "svc #0",
+                "cbnz x0, 2f",
+                "mov x0, {arg}",
+                "blr {main}",
+                "mov x8, #93",
+                "svc #0",
+                "udf #0",
+                "2:",
+                main = in(reg) child_main as extern "C" fn(*mut libc::c_void) -> libc::c_int,
+                arg = in(reg) arg,
+                in("x8") libc::SYS_clone3,
+                inlateout("x0") args as *const CloneArgs => ret,
+                in("x1") std::mem::size_of::<CloneArgs>(),
+            );
+        }
+        if ret < 0 {
+            // SAFETY: errno is this thread's.
+            unsafe { *libc::__errno_location() = -ret as libc::c_int };
+            return -1;
+        }
+        ret
+    }
+
+    /// Elsewhere: as if the kernel had no `clone3`.
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    unsafe fn raw(_: &CloneArgs, _: *mut libc::c_void) -> libc::c_long {
+        // SAFETY: errno is this thread's.
+        unsafe { *libc::__errno_location() = libc::ENOSYS };
+        -1
     }
 }
