@@ -75,13 +75,14 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
     // The guard must be forked while the process still has one thread. As
     // PID 1 it is not needed: the kernel kills the whole namespace with us.
-    let guard = if std::process::id() == 1 {
+    let guard: Option<Guard> = if std::process::id() == 1 {
         None
     } else {
-        Guard::start(containment.cgroup_dir())
+        Guard::start(containment.cgroups())
             .inspect_err(|e| warn!(error = %e, "cannot start the guard process; a term's processes may outlive a killed leaderrun"))
             .ok()
     };
+    let guarded = guard.is_some();
     if let Err(e) = process::become_subreaper() {
         warn!(error = %e, "cannot become a child subreaper; orphans of a term are reaped by init");
     }
@@ -125,7 +126,11 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     // A backend call abandoned at its timeout may still occupy a blocking
     // thread; exiting must not wait for it.
     runtime.shutdown_background();
-    containment.remove();
+    // The guard removes what is left when it sees leaderrun go; without
+    // one, leaderrun does it on its way out.
+    if !guarded {
+        containment.remove();
+    }
     exit
 }
 

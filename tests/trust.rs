@@ -461,24 +461,30 @@ fn candidate_records_of_killed_replicas_do_not_pile_up() {
         "--release-timeout",
         "200ms",
     ];
-    for _ in 0..20 {
+    let records = || {
+        std::fs::read_dir(sandbox.state_dir())
+            .map(|dir| {
+                dir.filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .path()
+                        .extension()
+                        .is_some_and(|x| x == "candidate")
+                })
+                .count()
+            })
+            .unwrap_or(0)
+    };
+    for killed in 1..=20 {
         let mut leader = sandbox.leaderrun("pile").args(fast).sh("sleep 30").spawn();
-        assert!(leader.wait_log("lease acquired", LONG));
+        assert!(
+            wait_until(LONG, || records() >= killed),
+            "{}",
+            leader.stderr()
+        );
         leader.signal(Signal::SIGKILL);
         assert!(leader.wait(LONG).is_some());
     }
-    let records = || {
-        std::fs::read_dir(sandbox.state_dir())
-            .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .path()
-                    .extension()
-                    .is_some_and(|x| x == "candidate")
-            })
-            .count()
-    };
     assert!(records() >= 20, "the killed replicas' records are there");
     // A replica that leads on, and never exits gracefully, removes the
     // expired ones as it renews.

@@ -13,6 +13,8 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write as _};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use std::os::unix::fs::OpenOptionsExt;
 
@@ -24,12 +26,21 @@ use super::spawn::CgroupFds;
 /// This leaderrun's directory of unit cgroups.
 #[derive(Debug, Clone)]
 pub struct Cgroups {
-    dir: PathBuf,
+    /// leaderrun's own cgroup, where the units' cgroups are made.
+    parent: PathBuf,
+    /// `leaderrun-<pid>-`: the name of every unit cgroup of this leaderrun
+    /// starts with it (the guard removes them all by it).
+    prefix: String,
+    next_id: Arc<AtomicU64>,
+    /// A unit cgroup made ahead of need (at setup, and while following), so
+    /// that making one is not on the critical path of a handover.
+    prepared: Arc<Mutex<Option<UnitCgroup>>>,
 }
 
 impl Cgroups {
     /// Finds the cgroup2 hierarchy and this process's cgroup in it, and
-    /// makes this leaderrun's directory there. Says why not, if it cannot.
+    /// makes the first unit's cgroup there (which proves it can). Says why
+    /// not, if it cannot.
     pub fn setup() -> Result<Cgroups, String> {
         let mount = cgroup2_mount().ok_or("no cgroup2 hierarchy is mounted")?;
         let own = fs::read_to_string("/proc/self/cgroup")
@@ -42,30 +53,47 @@ impl Cgroups {
             .strip_prefix(&mount.root)
             .unwrap_or(path)
             .trim_start_matches('/');
-        let parent = mount.point.join(relative);
-        let dir = parent.join(format!("leaderrun-{}", std::process::id()));
-        if let Err(e) = fs::create_dir(&dir) {
-            // A directory left by an earlier leaderrun of this pid: empty, or
-            // it could not be removed either.
-            if e.kind() != io::ErrorKind::AlreadyExists || fs::remove_dir(&dir).is_err() {
-                return Err(format!(
-                    "cannot create a cgroup in {}: {e}",
-                    parent.display()
-                ));
-            }
-            fs::create_dir(&dir)
-                .map_err(|e| format!("cannot create a cgroup in {}: {e}", parent.display()))?;
+        let cgroups = Cgroups {
+            parent: mount.point.join(relative),
+            prefix: format!("leaderrun-{}-", std::process::id()),
+            next_id: Arc::new(AtomicU64::new(1)),
+            prepared: Arc::default(),
+        };
+        let first = cgroups.make().map_err(|e| {
+            format!(
+                "cannot create a cgroup in {}: {e}",
+                cgroups.parent.display()
+            )
+        })?;
+        *cgroups.prepared.lock().unwrap() = Some(first);
+        Ok(cgroups)
+    }
+
+    /// Where the units' cgroups are, and how their names start.
+    pub fn place(&self) -> (&Path, &str) {
+        (&self.parent, &self.prefix)
+    }
+
+    /// The cgroup for a new unit: the prepared one, or a new one.
+    pub fn unit(&self) -> io::Result<UnitCgroup> {
+        let prepared = self.prepared.lock().unwrap().take();
+        match prepared {
+            Some(unit) => Ok(unit),
+            None => self.make(),
         }
-        Ok(Cgroups { dir })
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// Makes the next unit's cgroup now, while nothing waits for it.
+    pub fn prepare(&self) {
+        let mut prepared = self.prepared.lock().unwrap();
+        if prepared.is_none() {
+            *prepared = self.make().ok();
+        }
     }
 
-    /// A new cgroup for unit `id`.
-    pub fn unit(&self, id: u64) -> io::Result<UnitCgroup> {
-        let path = unit_path(&self.dir, id);
+    fn make(&self) -> io::Result<UnitCgroup> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let path = self.parent.join(format!("{}u{id}", self.prefix));
         fs::create_dir(&path)?;
         let opened = OpenOptions::new()
             .read(true)
@@ -86,15 +114,38 @@ impl Cgroups {
         }
     }
 
-    /// Removes this leaderrun's directory (at exit: every unit is gone).
+    /// Removes every unit cgroup of this leaderrun's that is left (at exit,
+    /// when no guard does it).
     pub fn remove(&self) {
-        let _ = fs::remove_dir(&self.dir);
+        if let Some(unit) = self.prepared.lock().unwrap().take() {
+            unit.remove();
+        }
+        kill_and_remove(&self.parent, &self.prefix);
     }
 }
 
-/// Where the cgroup of unit `id` is; the guard uses it too.
-pub fn unit_path(dir: &Path, id: u64) -> PathBuf {
-    dir.join(format!("u{id}"))
+/// Kills every cgroup under `parent` whose name starts with `prefix`, and
+/// removes them once they are empty (for a while at most).
+pub fn kill_and_remove(parent: &Path, prefix: &str) {
+    let units: Vec<PathBuf> = fs::read_dir(parent)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default();
+    for unit in &units {
+        kill_cgroup(unit);
+    }
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    for unit in &units {
+        while populated(unit) && std::time::Instant::now() < give_up {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let _ = fs::remove_dir(unit);
+    }
 }
 
 /// The cgroup of one unit of processes.

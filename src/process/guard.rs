@@ -17,7 +17,6 @@ use std::collections::HashSet;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
@@ -29,15 +28,16 @@ pub struct Guard {
 }
 
 impl Guard {
-    /// Starts the guard; with `cgroups`, it also kills every cgroup under
-    /// that directory. Must run while the process has a single thread.
-    pub fn start(cgroups: Option<&Path>) -> io::Result<Guard> {
+    /// Starts the guard; with `cgroups` (a parent directory and a name
+    /// prefix), it also kills every cgroup there whose name starts with the
+    /// prefix. Must run while the process has a single thread.
+    pub fn start(cgroups: Option<(&Path, &str)>) -> io::Result<Guard> {
         let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let devnull = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open("/dev/null")?;
-        let cgroups = cgroups.map(Path::to_path_buf);
+        let cgroups = cgroups.map(|(parent, prefix)| (parent.to_path_buf(), prefix.to_owned()));
         // SAFETY: the process is single-threaded here (documented contract),
         // so the forked children may run arbitrary code.
         match unsafe { libc::fork() } {
@@ -73,7 +73,7 @@ impl Guard {
     }
 }
 
-fn guard_main(reader: libc::c_int, devnull: libc::c_int, cgroups: Option<PathBuf>) -> ! {
+fn guard_main(reader: libc::c_int, devnull: libc::c_int, cgroups: Option<(PathBuf, String)>) -> ! {
     // SAFETY: system calls on descriptors this process owns.
     unsafe {
         libc::setsid();
@@ -124,33 +124,9 @@ fn guard_main(reader: libc::c_int, devnull: libc::c_int, cgroups: Option<PathBuf
     for pgid in groups {
         let _ = nix::sys::signal::killpg(Pid::from_raw(pgid), nix::sys::signal::Signal::SIGKILL);
     }
-    if let Some(dir) = cgroups {
-        kill_and_remove(&dir);
+    if let Some((parent, prefix)) = cgroups {
+        cgroup::kill_and_remove(&parent, &prefix);
     }
     // SAFETY: ends this process without running the parent's exit handlers.
     unsafe { libc::_exit(0) }
-}
-
-/// Kills every cgroup under `dir` and removes them, and `dir`, once empty.
-fn kill_and_remove(dir: &Path) {
-    let units: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok())
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| e.path())
-                .collect()
-        })
-        .unwrap_or_default();
-    for unit in &units {
-        cgroup::kill_cgroup(unit);
-    }
-    let give_up = Instant::now() + Duration::from_secs(5);
-    for unit in &units {
-        while cgroup::populated(unit) && Instant::now() < give_up {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let _ = std::fs::remove_dir(unit);
-    }
-    let _ = std::fs::remove_dir(dir);
 }

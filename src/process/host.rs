@@ -68,6 +68,9 @@ pub enum UnitEvent {
 pub trait Processes {
     type Unit: ProcessUnit;
     fn spawn(&self, what: Spawn<'_>) -> impl Future<Output = io::Result<Self::Unit>>;
+    /// Gets ready for the next spawn while nothing waits for it (a follower
+    /// calls it as it starts to wait).
+    fn prepare(&self) {}
 }
 
 /// One unit of processes, as the driver uses it.
@@ -87,7 +90,6 @@ pub struct Host {
     waiting: RefCell<HashMap<Pid, oneshot::Sender<u8>>>,
     /// Notified after every pass of the reaper.
     reaped: Notify,
-    next_unit: std::cell::Cell<u64>,
 }
 
 impl Host {
@@ -97,7 +99,6 @@ impl Host {
             guard,
             waiting: RefCell::default(),
             reaped: Notify::new(),
-            next_unit: std::cell::Cell::new(1),
         })
     }
 
@@ -126,16 +127,16 @@ impl Host {
         }
         self.reaped.notify_waiters();
     }
-
-    fn unit_id(&self) -> u64 {
-        let id = self.next_unit.get();
-        self.next_unit.set(id + 1);
-        id
-    }
 }
 
 impl Processes for Rc<Host> {
     type Unit = Unit;
+
+    fn prepare(&self) {
+        if let Containment::Cgroup(cgroups) = &self.containment {
+            cgroups.prepare();
+        }
+    }
 
     async fn spawn(&self, what: Spawn<'_>) -> io::Result<Unit> {
         let take_terminal = what.terminal && what.stdout.is_none() && terminal::is_ours();
@@ -148,7 +149,7 @@ impl Processes for Rc<Host> {
         let stdout = what.stdout.map(AsRawFd::as_raw_fd);
         let (pid, contained) = match &self.containment {
             Containment::Cgroup(cgroups) => {
-                let cgroup = cgroups.unit(self.unit_id())?;
+                let cgroup = cgroups.unit()?;
                 let pid = spawn::spawn(
                     &command,
                     Options {

@@ -194,22 +194,27 @@ impl Containment {
         }
     }
 
-    /// The cgroup directory the guard must clean up, if any.
-    pub fn cgroup_dir(&self) -> Option<&Path> {
+    /// Where the guard finds this leaderrun's cgroups, if any: their
+    /// parent directory and the prefix of their names.
+    pub fn cgroups(&self) -> Option<(&Path, &str)> {
         match self {
-            Containment::Cgroup(cgroups) => Some(cgroups.dir()),
+            Containment::Cgroup(cgroups) => Some(cgroups.place()),
             Containment::Keeper { .. } => None,
         }
     }
 
     pub fn describe(&self) -> String {
         match self {
-            Containment::Cgroup(cgroups) => format!("cgroup {}", cgroups.dir().display()),
+            Containment::Cgroup(cgroups) => {
+                let (parent, prefix) = cgroups.place();
+                format!("cgroup {}/{prefix}*", parent.display())
+            }
             Containment::Keeper { .. } => "keeper".into(),
         }
     }
 
-    /// Removes what the containment made (at exit, every unit gone).
+    /// Removes what the containment made (at exit, every unit gone), where
+    /// no guard does it.
     pub fn remove(&self) {
         if let Containment::Cgroup(cgroups) = self {
             cgroups.remove();

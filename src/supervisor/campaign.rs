@@ -83,6 +83,8 @@ impl<P: Processes> Supervisor<P> {
         let mut next: Option<(Instant, bool)> = not_before.map(|at| (at, false));
         loop {
             if let Some((at, notices)) = next {
+                // While nothing waits for it, get the next spawn ready.
+                self.procs.prepare();
                 match self.wait(at, give_up_at, notices).await {
                     Wake::Attempt => woke_at = Instant::now(),
                     Wake::Stopped => return Campaign::Stopped,

@@ -57,16 +57,16 @@ impl Shared {
             tracing::debug!(error = %error, "cannot write the candidate record");
         }
         let mut pruned_at = me.pruned_at.lock().unwrap_or_else(|e| e.into_inner());
-        if pruned_at.is_none_or(|at| at.elapsed() >= me.ttl) {
+        if pruned_at.is_some_and(|at| at.elapsed() >= me.ttl) {
             *pruned_at = Some(Instant::now());
             self.remove_expired_candidates();
         }
     }
 
-    /// Removes this replica's candidate record, and any that expired.
+    /// Removes this replica's candidate record (expired ones are pruned by
+    /// the replicas that run on).
     pub fn withdraw(&self) {
         let Some(me) = &self.me else { return };
-        self.remove_expired_candidates();
         let _ = unlinkat(
             self.dir(),
             self.candidate_name(&me.id.instance).as_str(),

@@ -139,6 +139,7 @@ impl Backend for FileBackend {
                 file: Mutex::new(None),
             }),
             line: Arc::default(),
+            pending_beat: Mutex::default(),
         };
         Ok(Bounded::wrap(Arc::new(store), call_timeout))
     }
@@ -148,6 +149,9 @@ impl Backend for FileBackend {
 pub struct FileStore {
     shared: Arc<Shared>,
     line: Arc<Line>,
+    /// The candidate record written after an acquisition, off the way to
+    /// the command; the next call waits for it, so records never go back.
+    pending_beat: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl FileStore {
@@ -162,7 +166,9 @@ impl FileStore {
                 id: lease.me,
                 ttl: lease.ttl,
                 patience: lease.call_timeout,
-                pruned_at: Mutex::new(None),
+                // The first pruning is a ttl after the start: a replica that
+                // lives for a moment leaves the directory alone.
+                pruned_at: Mutex::new(Some(std::time::Instant::now())),
             }),
             boot_id: clock::boot_id(),
             watch: Watch::default(),
@@ -178,6 +184,7 @@ impl FileStore {
         Ok(FileStore {
             shared: Arc::new(shared),
             line: Arc::default(),
+            pending_beat: Mutex::default(),
         })
     }
 
@@ -187,6 +194,10 @@ impl FileStore {
         &self,
         op: impl FnOnce(&Shared) -> Result<T, E> + Send + 'static,
     ) -> Result<T, E> {
+        let pending = self.pending_beat.lock().unwrap().take();
+        if let Some(beat) = pending {
+            let _ = beat.await;
+        }
         let shared = self.shared.clone();
         tokio::task::spawn_blocking(move || op(&shared))
             .await
@@ -203,11 +214,16 @@ impl FileStore {
 // its candidate record, so status lists it without a call of its own.
 impl LeaseStore for FileStore {
     fn acquire(&self, attempt: u64) -> Call<'_, Attempt> {
-        Box::pin(self.blocking(move |shared| {
-            let answer = shared.acquire(attempt)?;
-            shared.beat(matches!(answer, Attempt::Acquired { .. }));
+        Box::pin(async move {
+            let answer = self.blocking(move |shared| shared.acquire(attempt)).await?;
+            // The candidate record is not on the way to the command: it is
+            // written on the blocking pool while the command starts.
+            let leading = matches!(answer, Attempt::Acquired { .. });
+            let shared = self.shared.clone();
+            let beat = tokio::task::spawn_blocking(move || shared.beat(leading));
+            *self.pending_beat.lock().unwrap() = Some(beat);
             Ok(answer)
-        }))
+        })
     }
 
     fn renew(&self, token: u64) -> BoxFuture<'_, Result<(), RenewError>> {
