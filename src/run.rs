@@ -78,7 +78,7 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     let guard: Option<Guard> = if std::process::id() == 1 {
         None
     } else {
-        Guard::start(containment.cgroups())
+        Guard::start(containment.cgroups(), vec![store.clone()])
             .inspect_err(|e| warn!(error = %e, "cannot start the guard process; a term's processes may outlive a killed leaderrun"))
             .ok()
     };

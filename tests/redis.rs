@@ -666,3 +666,19 @@ fn the_readme_least_privilege_acl_is_enough() {
         "denied: {log:?}"
     );
 }
+
+/// The supervisor alone dies (kill -9): its guard, once the term's
+/// processes are dead, releases the lease with the term's token, so the
+/// follower does not wait out the lease's remaining 3-5 s.
+#[test]
+fn the_guard_hands_the_lease_over_when_only_the_supervisor_dies() {
+    let server = RedisServer::start();
+    server.wait_uptime(None, 5);
+    let sandbox = Sandbox::new();
+    let took = common::takeover_after_the_supervisor_dies(
+        &sandbox,
+        server.url(),
+        &["--ttl", "5s", "--renew-every", "1s"],
+    );
+    assert!(took < Duration::from_secs(2), "{took:?}");
+}

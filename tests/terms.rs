@@ -235,6 +235,36 @@ fn kill_9_of_leaderrun_kills_a_setsid_grandchild_that_ignores_term_with_cgroups(
 }
 
 #[test]
+fn the_guard_hands_the_lease_over_when_only_the_supervisor_dies() {
+    let sandbox = Sandbox::new();
+    let took = common::takeover_after_the_supervisor_dies(
+        &sandbox,
+        &sandbox.backend(),
+        &["--ttl", "30s", "--renew-every", "2s"],
+    );
+    // Within milliseconds (the bench measures it); far below the ttl.
+    assert!(took < Duration::from_secs(2), "{took:?}");
+}
+
+#[test]
+fn the_guard_hands_the_lease_over_after_the_keeper_killed_the_term() {
+    let sandbox = Sandbox::new();
+    let took = common::takeover_after_the_supervisor_dies(
+        &sandbox,
+        &sandbox.backend(),
+        &[
+            "--ttl",
+            "30s",
+            "--renew-every",
+            "2s",
+            "--containment",
+            "keeper",
+        ],
+    );
+    assert!(took < Duration::from_secs(2), "{took:?}");
+}
+
+#[test]
 fn tokens_keep_growing_after_every_process_is_killed() {
     let sandbox = Sandbox::new();
     for expected in 1..=3 {

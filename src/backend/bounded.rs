@@ -80,4 +80,12 @@ impl LeaseStore for Bounded {
     fn leading(&self) {
         self.inner.leading();
     }
+
+    fn keep_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.inner.keep_fds()
+    }
+
+    fn wakes_on_release(&self) -> bool {
+        self.inner.wakes_on_release()
+    }
 }

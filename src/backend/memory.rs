@@ -377,4 +377,8 @@ impl LeaseStore for MemoryStore {
     }
 
     fn leading(&self) {}
+
+    fn wakes_on_release(&self) -> bool {
+        true
+    }
 }

@@ -116,6 +116,22 @@ pub trait LeaseStore: Send + Sync {
     /// spurious wake-ups are allowed (the caller just attempts).
     fn notice(&self) -> BoxFuture<'_, ()>;
 
+    /// Whether a release would wake this follower now (its place in a line,
+    /// its watch, its notice connection is up). A follower that can rely on
+    /// it attempts only when woken, at the holder's known expiry, and every
+    /// half ttl (its heartbeat); one that cannot polls every campaign period.
+    fn wakes_on_release(&self) -> bool {
+        false
+    }
+
+    /// Descriptors the store needs to act from another process (the guard,
+    /// a fork of leaderrun's, which releases a running term's lease after
+    /// leaderrun died). The file backend's lease file is one: its holder's
+    /// lock lives as long as any descriptor of it.
+    fn keep_fds(&self) -> Vec<std::os::fd::RawFd> {
+        Vec::new()
+    }
+
     /// This replica leads and its term's first process has started: it gives
     /// its place among the waiting followers to the next one. Called again
     /// before every release (it is idempotent).

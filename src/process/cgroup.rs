@@ -120,13 +120,15 @@ impl Cgroups {
         if let Some(unit) = self.prepared.lock().unwrap().take() {
             unit.remove();
         }
-        kill_and_remove(&self.parent, &self.prefix);
+        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        kill_and_remove(&self.parent, &self.prefix, give_up);
     }
 }
 
 /// Kills every cgroup under `parent` whose name starts with `prefix`, and
-/// removes them once they are empty (for a while at most).
-pub fn kill_and_remove(parent: &Path, prefix: &str) {
+/// removes them once they are empty, waiting until `give_up` at most.
+/// Returns whether they all emptied.
+pub fn kill_and_remove(parent: &Path, prefix: &str, give_up: std::time::Instant) -> bool {
     let units: Vec<PathBuf> = fs::read_dir(parent)
         .map(|entries| {
             entries
@@ -139,13 +141,18 @@ pub fn kill_and_remove(parent: &Path, prefix: &str) {
     for unit in &units {
         kill_cgroup(unit);
     }
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut emptied = true;
     for unit in &units {
-        while populated(unit) && std::time::Instant::now() < give_up {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        while populated(unit) {
+            if std::time::Instant::now() >= give_up {
+                emptied = false;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
         let _ = fs::remove_dir(unit);
     }
+    emptied
 }
 
 /// The cgroup of one unit of processes.

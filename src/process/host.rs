@@ -71,6 +71,9 @@ pub trait Processes {
     /// Gets ready for the next spawn while nothing waits for it (a follower
     /// calls it as it starts to wait).
     fn prepare(&self) {}
+    /// A term began with `token`, or (None) is over: if leaderrun dies in
+    /// one, the guard releases its lease once its processes are gone.
+    fn term(&self, _token: Option<u64>) {}
 }
 
 /// One unit of processes, as the driver uses it.
@@ -138,6 +141,12 @@ impl Processes for Rc<Host> {
         }
     }
 
+    fn term(&self, token: Option<u64>) {
+        if let Some(guard) = &self.guard {
+            guard.term(0, token);
+        }
+    }
+
     async fn spawn(&self, what: Spawn<'_>) -> io::Result<Unit> {
         let take_terminal = what.terminal && what.stdout.is_none() && terminal::is_ours();
         let env = what.env.entries();
@@ -172,6 +181,9 @@ impl Processes for Rc<Host> {
             }
             Containment::Keeper { exe } => {
                 let link = Link::start(exe, &command, take_terminal, stdout).await?;
+                if let Some(guard) = &self.guard {
+                    guard.keeper(link.keeper, true);
+                }
                 (link.program, Contained::Keeper(link))
             }
         };
@@ -296,6 +308,9 @@ impl Drop for Unit {
     fn drop(&mut self) {
         if let Some(guard) = &self.host.guard {
             guard.unwatch(self.pid);
+            if let Contained::Keeper(link) = &self.contained {
+                guard.keeper(link.keeper, false);
+            }
         }
         self.host.waiting.borrow_mut().remove(&self.pid);
         if let Contained::Cgroup { cgroup, .. } = &self.contained {

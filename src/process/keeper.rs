@@ -96,6 +96,8 @@ pub struct Link {
     /// wait is dropped half-way).
     partial: [u8; FRAME],
     filled: usize,
+    /// The keeper process.
+    pub keeper: Pid,
     /// The program the keeper started.
     pub program: Pid,
 }
@@ -143,6 +145,7 @@ impl Link {
             stream: UnixStream::from_std(ours)?,
             partial: [0; FRAME],
             filled: 0,
+            keeper,
             program: keeper,
         };
         match link.next().await {

@@ -111,10 +111,18 @@ impl<P: Processes> Supervisor<P> {
                         return Campaign::GaveUp(Exit::HeldElsewhere);
                     }
                     debug!(holder = %holder.owner, holder_token = holder.token, "lease held elsewhere");
-                    // Wake at the holder's known expiry if that comes first.
-                    let wait = holder.expires_in.map_or(timing.campaign_every, |left| {
-                        (left + Duration::from_millis(1)).min(timing.campaign_every)
-                    });
+                    // A follower that a release would wake attempts only
+                    // every half ttl (its heartbeat); one that it would not
+                    // polls every campaign period. Either wakes at the
+                    // holder's known expiry if that comes first.
+                    let period = if self.store.wakes_on_release() {
+                        (timing.ttl / 2).max(timing.campaign_every)
+                    } else {
+                        timing.campaign_every
+                    };
+                    let wait = holder
+                        .expires_in
+                        .map_or(period, |left| (left + Duration::from_millis(1)).min(period));
                     Instant::now() + wait
                 }
                 Ok((Attempt::HeldOff { retry_in, why }, _)) => {

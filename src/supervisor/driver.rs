@@ -73,6 +73,7 @@ pub async fn run<P: Processes>(
     };
     let metrics = health.metrics_handle();
     metrics.term_began(token);
+    procs.term(Some(token));
     let (mut term, first) = Term::begin(token, sent_at, settings);
     let mut pending: VecDeque<Action> = first.into();
     let mut unit: Option<P::Unit> = None;
@@ -156,6 +157,8 @@ pub async fn run<P: Processes>(
                 }
                 Action::Release => release(store.as_ref(), token).await,
                 Action::Finish(end) => {
+                    // Released, or lost: nothing for the guard to release.
+                    procs.term(None);
                     if unit.as_ref().is_some_and(|u| u.took_terminal()) {
                         reclaim_terminal();
                     }

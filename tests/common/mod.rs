@@ -411,6 +411,58 @@ pub fn get(port: u16, path: &str) -> (u16, String) {
     (status, body)
 }
 
+/// `kill -9` of a leader (its supervisor only) while a follower waits: the
+/// follower's command starts soon after, never while the old command (which
+/// holds a lock on `held`) still runs. Returns how long after the kill it
+/// started. `args` are the timing both replicas run with.
+pub fn takeover_after_the_supervisor_dies(
+    sandbox: &Sandbox,
+    backend: &str,
+    args: &[&str],
+) -> Duration {
+    let long = Duration::from_secs(30);
+    let held = sandbox.path("held");
+    let leader = sandbox
+        .leaderrun_on(backend, "supervisor-dies")
+        .args(args)
+        .sh(&format!(
+            "exec 9>{}; flock 9; touch leading; exec sleep 300",
+            held.display()
+        ))
+        .spawn();
+    assert!(
+        wait_until(long, || sandbox.path("leading").exists()),
+        "{}",
+        leader.stderr()
+    );
+    let mut follower = sandbox
+        .leaderrun_on(backend, "supervisor-dies")
+        .args(args)
+        .args(["--campaign-every", "10s"])
+        .sh(&format!(
+            "if flock -n {} true; then echo clean; else echo overlap; fi > b-started",
+            held.display()
+        ))
+        .spawn();
+    assert!(follower.wait_log("campaign started", long));
+    std::thread::sleep(Duration::from_millis(500));
+    let killed = Instant::now();
+    leader.signal(Signal::SIGKILL);
+    assert!(
+        wait_until(long, || sandbox.read("b-started").contains('\n')),
+        "{}",
+        follower.stderr()
+    );
+    let took = killed.elapsed();
+    assert_eq!(
+        sandbox.read("b-started").trim(),
+        "clean",
+        "the old command still ran"
+    );
+    assert_eq!(follower.wait(long), Some(0));
+    took
+}
+
 /// Whether this machine lets a process make cgroups (a writable cgroup2
 /// hierarchy: root here), as leaderrun's `--containment cgroup` needs.
 pub fn cgroups_writable() -> bool {

@@ -58,6 +58,12 @@ impl Line {
         place.head
     }
 
+    /// Whether this replica waits in line (at its head or behind it).
+    pub fn waiting(&self) -> bool {
+        let place = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        place.following && place.queuing
+    }
+
     /// Leaves the line (this replica leads now): the thread lets the next
     /// follower have the head's place.
     pub fn leave(&self) {

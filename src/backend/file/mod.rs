@@ -292,6 +292,21 @@ impl LeaseStore for FileStore {
         self.line.leave();
         self.shared.watch.stop();
     }
+
+    fn wakes_on_release(&self) -> bool {
+        self.line.waiting() && self.shared.watch.available()
+    }
+
+    fn keep_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        let file = self.shared.file.lock().unwrap();
+        self.shared
+            .dir
+            .iter()
+            .map(AsRawFd::as_raw_fd)
+            .chain(file.iter().map(AsRawFd::as_raw_fd))
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -92,6 +92,12 @@ impl Watch {
         }
     }
 
+    /// Whether the head can watch (inotify could be set up, or has not been
+    /// tried yet).
+    pub fn available(&self) -> bool {
+        !matches!(*self.state(), State::Unavailable)
+    }
+
     /// Stops watching (this replica leads, or left the head).
     pub fn stop(&self) {
         let mut state = self.state();

@@ -25,6 +25,8 @@ pub struct Line {
     config: AsyncConnectionConfig,
     call_timeout: Duration,
     task: Mutex<Option<JoinHandle<()>>>,
+    /// The task waits in `BLPOP` now: a release would wake this replica.
+    waiting: std::sync::atomic::AtomicBool,
     /// Signalled by the task: a wake was taken, or the place is new (a
     /// release may have come while there was none).
     woken: Notify,
@@ -43,6 +45,7 @@ impl Line {
             config,
             call_timeout,
             task: Mutex::new(None),
+            waiting: std::sync::atomic::AtomicBool::new(false),
             woken: Notify::new(),
         }
     }
@@ -64,6 +67,17 @@ impl Line {
         if let Some(task) = self.task.lock().unwrap().take() {
             task.abort();
         }
+        self.set_waiting(false);
+    }
+
+    /// Whether this replica waits in line now.
+    pub fn waiting(&self) -> bool {
+        self.waiting.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn set_waiting(&self, waiting: bool) {
+        self.waiting
+            .store(waiting, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -89,6 +103,7 @@ async fn queue(line: Arc<Line>) {
             continue;
         };
         // A new place in line: a release may have come while there was none.
+        line.set_waiting(true);
         line.woken.notify_one();
         loop {
             let popped: redis::RedisResult<Option<(String, String)>> = redis::cmd("BLPOP")
@@ -107,6 +122,7 @@ async fn queue(line: Arc<Line>) {
                 Ok(None) => failures = 0,
                 Err(error) => {
                     tracing::debug!(error = %error, "the follower's line connection failed");
+                    line.set_waiting(false);
                     break;
                 }
             }

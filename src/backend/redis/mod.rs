@@ -517,6 +517,10 @@ impl LeaseStore for RedisStore {
     fn leading(&self) {
         self.line.leave();
     }
+
+    fn wakes_on_release(&self) -> bool {
+        self.line.waiting()
+    }
 }
 
 /// A candidate value: "<expires> <seen> <leading> <since> <pid> <host> <owner>".
