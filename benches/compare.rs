@@ -44,47 +44,37 @@ fn main() {
         "# Benchmarks\n\nMeasured by `cargo bench --bench compare` ({samples} samples per measure; times in ms).\n\n{}\n",
         machine()
     );
-
-    let _ = writeln!(
-        out,
-        "| tool | cycle p50 | cycle p99 | handover p50 | handover p99 | crash failover beyond ttl | child after kill -9 | idle follower CPU ms/s | idle follower backend req/s | holder RSS |"
-    );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
+    // Every server runs for the whole run: the tools' samples are taken in
+    // turn, so that the shared VM's slow spells fall on all of them.
+    let redis = Server::redis(dir.path());
+    let etcd = Server::etcd(dir.path());
     let bench = Bench {
         dir: dir.path().to_owned(),
         stamp,
-        redis_port: 0,
-        hold_check: Default::default(),
+        redis_port: redis.port,
     };
-    // Each server runs only while its own rows are measured, so that an
-    // idle etcd does not load the machine under the others.
-    let file = Tool {
-        name: "leaderrun (file)",
-        kind: Kind::Leaderrun(format!("file:{}", dir.path().join("state").display())),
-    };
-    let flock = Tool {
+    let mut tools = vec![
+        Tool {
+            name: "leaderrun (file)",
+            kind: Kind::Leaderrun(format!("file:{}", dir.path().join("state").display())),
+        },
+        Tool {
+            name: "leaderrun (redis)",
+            kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", redis.port)),
+        },
+    ];
+    if let Some(etcd) = &etcd {
+        tools.push(Tool {
+            name: "etcdctl lock",
+            kind: Kind::Etcdctl(format!("http://127.0.0.1:{}", etcd.port)),
+        });
+    }
+    tools.push(Tool {
         name: "flock",
         kind: Kind::Flock(dir.path().join("flock.lock")),
-    };
-    // The file backend's cycle target is a ratio to flock's: measure the two
-    // in alternation, so that the shared VM's slow spells fall on both.
-    let mut flock_cycle = None;
+    });
     if rows {
-        let [file_cycle, flock_samples] = bench.alternating_cycles([&file, &flock], samples);
-        flock_cycle = Some(flock_samples);
-        out += &bench.row(&file, samples, Some(file_cycle));
-    }
-    let redis = Server::redis(dir.path());
-    let bench = Bench {
-        redis_port: redis.port,
-        ..bench
-    };
-    let on_redis = Tool {
-        name: "leaderrun (redis)",
-        kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", redis.port)),
-    };
-    if rows {
-        bench.rows(&mut out, &on_redis, &flock, flock_cycle.take(), samples);
+        bench.rows(&mut out, &tools, samples);
     }
     if scale {
         eprintln!("measuring scale");
@@ -108,39 +98,79 @@ fn main() {
 }
 
 impl Bench {
-    /// The rows after the file backend's: Redis, etcdctl lock, flock.
-    fn rows(
-        &self,
-        out: &mut String,
-        on_redis: &Tool,
-        flock: &Tool,
-        flock_cycle: Option<Vec<f64>>,
-        samples: usize,
-    ) {
-        let dir = self.dir.as_path();
-        *out += &self.row(on_redis, samples, None);
-        if let Some(etcd) = Server::etcd(dir) {
-            let etcdctl = Tool {
-                name: "etcdctl lock",
-                kind: Kind::Etcdctl(format!("http://127.0.0.1:{}", etcd.port)),
-            };
-            *out += &self.row(&etcdctl, samples, None);
-        } else {
-            let _ = writeln!(out, "| etcdctl lock | not installed | | | | | | | | |");
-        }
-        *out += &self.row(flock, samples, flock_cycle);
+    /// The side-by-side table: cycles and handovers interleaved across the
+    /// tools, one sample of each in turn; then each tool's failover, idle
+    /// follower and RSS.
+    fn rows(&self, out: &mut String, tools: &[Tool], samples: usize) {
+        eprintln!("measuring cycles");
+        let cycles = self.interleaved_cycles(tools, samples);
+        eprintln!("measuring handovers");
+        let handovers = self.interleaved_handovers(tools, samples, 20);
+        let long_holds = self.interleaved_handovers(tools, samples.div_ceil(4), 300);
         let _ = writeln!(
             out,
-            "\nHandover method: a term ends only once every replica queued for the next one is waiting (its threads idle for 20 ms), so no replica's start-up overlaps a handover. Its check, the handover p50 with the children's holds at 20 ms and at 300 ms ({} samples):\n\n| tool | 20 ms holds | 300 ms holds |\n|---|---|---|",
+            "| tool | cycle p50 | cycle p99 | handover p50 | handover p99 | takeover after kill -9 of the holding process | child after kill -9 | idle follower CPU ms/s | idle follower backend requests/s | holder RSS |\n|---|---|---|---|---|---|---|---|---|---|"
+        );
+        for ((tool, cycle), handover) in tools.iter().zip(&cycles).zip(&handovers) {
+            *out += &self.row(tool, cycle, handover);
+        }
+        let p50 = |values: &Vec<f64>| percentile(values, 50.0);
+        let flock = tools.len() - 1;
+        let _ = writeln!(
+            out,
+            "\nAgainst flock, from the same interleaved samples: file cycle {:.2}×, file handover {:.2}×, Redis handover {:.2}×.",
+            p50(&cycles[0]) / p50(&cycles[flock]),
+            p50(&handovers[0]) / p50(&handovers[flock]),
+            p50(&handovers[1]) / p50(&handovers[flock]),
+        );
+        let _ = writeln!(
+            out,
+            "\nHandover method: a term ends only once every replica queued for the next one, of every tool, is waiting (its threads idle for 20 ms), so no replica's start-up overlaps a handover. Its check, the handover p50 with the children's holds at 20 ms and at 300 ms ({} samples):\n\n| tool | 20 ms holds | 300 ms holds |\n|---|---|---|",
             samples.div_ceil(4)
         );
-        for (name, short, long) in self.hold_check.borrow().iter() {
-            let _ = writeln!(out, "| {name} | {short:.2} | {long:.2} |");
+        for ((tool, short), long) in tools.iter().zip(&handovers).zip(&long_holds) {
+            let _ = writeln!(
+                out,
+                "| {} | {:.2} | {:.2} |",
+                tool.name,
+                p50(short),
+                p50(long)
+            );
         }
         let _ = writeln!(
             out,
-            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). crash failover beyond ttl: how long after the lease (or session) could lapse the follower's child started, after `kill -9` of the holder ({TTL_SECS} s ttl for every tool); `flock` has no ttl. child after kill -9: whether the killed holder's child went on running. idle follower: a process waiting on a held lease, over 6 s; backend requests counted by the server (Redis: commands, including those run by scripts)."
+            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). takeover after kill -9: `kill -9` of the tool's process that holds the lease (leaderrun's supervisor, etcdctl, flock; {TTL_SECS} s ttl for every tool), to the waiting replica's child's start; the killed process's child, if it outlives it, is left running. child after kill -9: whether it went on running. idle follower: a process waiting on a held lease, over 12 s after its first 1.5 s; backend requests: the calls it makes (Redis: commands it sends, scripts and BLPOP, counted by the server; files: lease operations, counted by leaderrun's `leaderrun_backend_calls_total`)."
         );
+    }
+
+    /// One sample of each tool's cycle in turn.
+    fn interleaved_cycles(&self, tools: &[Tool], samples: usize) -> Vec<Vec<f64>> {
+        let mut cycles = vec![Vec::new(); tools.len()];
+        for _ in 0..samples {
+            for (tool, cycle) in tools.iter().zip(cycles.iter_mut()) {
+                cycle.extend(self.cycle(tool, 1));
+            }
+        }
+        cycles
+    }
+
+    /// One handover of each tool in turn, each only once every queued
+    /// replica of every tool is waiting.
+    fn interleaved_handovers(&self, tools: &[Tool], samples: usize, hold_ms: i64) -> Vec<Vec<f64>> {
+        let mut rigs: Vec<HandoverRig> = tools
+            .iter()
+            .map(|tool| HandoverRig::new(self, tool, hold_ms))
+            .collect();
+        for _ in 0..samples {
+            for i in 0..rigs.len() {
+                rigs[i].ready();
+                for rig in &rigs {
+                    rig.wait_until_waiting();
+                }
+                rigs[i].hand_over();
+            }
+        }
+        rigs.into_iter().map(HandoverRig::finish).collect()
     }
 }
 
@@ -255,6 +285,11 @@ enum Kind {
 impl Tool {
     /// The tool running `child` while it holds `key`.
     fn command(&self, key: &str, child: &[&str]) -> Command {
+        self.command_with(key, child, &[])
+    }
+
+    /// `command`, with more options for leaderrun.
+    fn command_with(&self, key: &str, child: &[&str], options: &[&str]) -> Command {
         let mut cmd = match &self.kind {
             Kind::Leaderrun(url) => {
                 let mut cmd = Command::new(BIN);
@@ -266,8 +301,9 @@ impl Tool {
                     "-q",
                     "--ttl",
                     &format!("{TTL_SECS}s"),
-                    "--",
-                ]);
+                ])
+                .args(options)
+                .arg("--");
                 cmd
             }
             Kind::Etcdctl(endpoint) => {
@@ -300,32 +336,19 @@ struct Bench {
     dir: PathBuf,
     stamp: PathBuf,
     redis_port: u16,
-    /// Per tool: handover p50 with 20 ms holds, and with 300 ms holds.
-    hold_check: std::cell::RefCell<Vec<(&'static str, f64, f64)>>,
 }
 
 struct Failover {
-    /// Median ms after the lease could lapse (after the kill, for flock and
-    /// the file backend, whose holder's death frees the lock at once).
-    excess: Option<f64>,
+    /// Median ms from the kill to the follower's child's start.
+    took: Option<f64>,
     /// Whether the killed holder's child was still running at the takeover.
     orphaned: bool,
 }
 
 impl Bench {
-    /// Every measure of one tool, as a table row; `cycle` if measured
-    /// already.
-    fn row(&self, tool: &Tool, samples: usize, cycle: Option<Vec<f64>>) -> String {
+    /// The rest of one tool's measures, and its table row.
+    fn row(&self, tool: &Tool, cycle: &[f64], handover: &[f64]) -> String {
         eprintln!("measuring {}", tool.name);
-        let cycle = cycle.unwrap_or_else(|| self.cycle(tool, samples));
-        let handover = self.handover(tool, samples, 20);
-        // The method's check: holds of 300 ms must give the same figure.
-        let long_holds = self.handover(tool, samples.div_ceil(4), 300);
-        self.hold_check.borrow_mut().push((
-            tool.name,
-            percentile(&handover, 50.0),
-            percentile(&long_holds, 50.0),
-        ));
         // flock's answer is the same every time (the killed holder's child
         // keeps the lock), and etcd's takes a ttl per sample.
         let failover_samples = match tool.kind {
@@ -339,41 +362,41 @@ impl Bench {
         format!(
             "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {cpu:.3} | {} | {:.1} MB |\n",
             tool.name,
-            percentile(&cycle, 50.0),
-            percentile(&cycle, 99.0),
-            percentile(&handover, 50.0),
-            percentile(&handover, 99.0),
-            failover
-                .excess
-                .map_or("never: the lock stays held".into(), |ms| format!(
-                    "{ms:.1} ms p50"
-                )),
+            percentile(cycle, 50.0),
+            percentile(cycle, 99.0),
+            percentile(handover, 50.0),
+            percentile(handover, 99.0),
+            match failover.took {
+                Some(ms) => format!("{ms:.1} ms p50"),
+                None => "never: the lock stays held".into(),
+            },
             if failover.orphaned {
                 "**kept running**"
             } else {
                 "killed"
             },
-            requests.map_or("n/a".into(), |r| format!("{r:.1}")),
+            requests.map_or("n/a".into(), |r| format!("{r:.2}")),
             rss as f64 / 1024.0,
         )
     }
 
     fn stamped(&self, tool: &Tool, key: &str, stamps: &Path, hold_ms: i64) -> Command {
-        let mut cmd = tool.command(key, &[self.stamp.to_str().unwrap()]);
+        self.stamped_with(tool, key, stamps, hold_ms, &[])
+    }
+
+    /// `stamped`, with more options for the tool (leaderrun's only).
+    fn stamped_with(
+        &self,
+        tool: &Tool,
+        key: &str,
+        stamps: &Path,
+        hold_ms: i64,
+        options: &[&str],
+    ) -> Command {
+        let mut cmd = tool.command_with(key, &[self.stamp.to_str().unwrap()], options);
         cmd.env("LEADERRUN_BENCH_STAMP", stamps)
             .env("LEADERRUN_BENCH_HOLD_MS", hold_ms.to_string());
         cmd
-    }
-
-    /// The cycles of two tools, one sample of each in turn.
-    fn alternating_cycles(&self, tools: [&Tool; 2], samples: usize) -> [Vec<f64>; 2] {
-        let mut cycles = [Vec::new(), Vec::new()];
-        for _ in 0..samples {
-            for (tool, cycle) in tools.iter().zip(cycles.iter_mut()) {
-                cycle.extend(self.cycle(tool, 1));
-            }
-        }
-        cycles
     }
 
     fn cycle(&self, tool: &Tool, samples: usize) -> Vec<f64> {
@@ -388,56 +411,6 @@ impl Bench {
                 start.elapsed().as_secs_f64() * 1000.0
             })
             .collect()
-    }
-
-    /// Replicas queue up on one key; each child stamps, holds `hold_ms`,
-    /// stamps and exits, and the next replica (already waiting) takes over.
-    ///
-    /// A term ends only when every replica queued for the next one is known
-    /// to be waiting (its threads have used no CPU for 20 ms): the start-up
-    /// of a replacement never overlaps a handover, whatever the hold. The
-    /// holder's child waits on a FIFO after its hold; opening it ends the
-    /// term.
-    fn handover(&self, tool: &Tool, samples: usize, hold_ms: i64) -> Vec<f64> {
-        let name = format!("{}-handover-{hold_ms}", slug(tool.name));
-        let stamps = self.dir.join(format!("{name}.stamps"));
-        let go = self.dir.join(format!("{name}.go"));
-        nix::unistd::mkfifo(&go, nix::sys::stat::Mode::S_IRWXU).unwrap();
-        let spawn = || {
-            let mut command = self.stamped(tool, &format!("handover-{hold_ms}"), &stamps, hold_ms);
-            command.env("LEADERRUN_BENCH_GO", &go);
-            (command.spawn().unwrap(), Instant::now())
-        };
-        // Which replica leads next is the backend's choice, not the order
-        // they were started in: wait on whichever ends.
-        let mut replicas: Vec<(Child, Instant)> = (0..3).map(|_| spawn()).collect();
-        for round in 0..samples {
-            // A term runs (its child's start is stamped) and the others
-            // wait; only then may it end.
-            wait_for_lines(&stamps, 2 * round + 1, Duration::from_secs(60));
-            for (replica, spawned) in &replicas {
-                wait_until_waiting(replica.id(), *spawned);
-            }
-            drop(fs::OpenOptions::new().write(true).open(&go).unwrap());
-            // The next term has begun: only now start the replacement.
-            wait_for_lines(&stamps, 2 * round + 3, Duration::from_secs(60));
-            let ended = loop {
-                if let Some(i) = replicas
-                    .iter_mut()
-                    .position(|(r, _)| r.try_wait().unwrap().is_some())
-                {
-                    break i;
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            };
-            replicas.swap_remove(ended);
-            replicas.push(spawn());
-        }
-        // Their children too: a killed flock or etcdctl leaves its child
-        // running, and holding the lock.
-        let mut replicas: Vec<Child> = replicas.into_iter().map(|(r, _)| r).collect();
-        kill_all(&mut replicas);
-        gaps(&stamps)
     }
 
     /// The holder (child runs forever) is killed with SIGKILL while a
@@ -458,15 +431,6 @@ impl Bench {
             let killed = monotonic_ns();
             holder.kill().unwrap();
             holder.wait().unwrap();
-            // A lease or session could lapse at most one ttl after the kill
-            // (minus the time since its last renewal, which we do not know
-            // for etcd: measure from the kill for every tool but flock and
-            // the file backend, whose locks die with their holder).
-            let lapse = match &tool.kind {
-                Kind::Leaderrun(url) if url.starts_with("file:") => 0.0,
-                Kind::Flock(_) => 0.0,
-                _ => self.remaining_ms(tool, &key),
-            };
             let took = wait_for_lines_within(&stamps, 2, Duration::from_secs(TTL_SECS * 3));
             if let Some(pid) = first_child {
                 orphaned |= alive(pid);
@@ -484,36 +448,19 @@ impl Bench {
                     .map(|(_, t)| *t)
                     .max()
                     .unwrap();
-                excess.push((started - killed) as f64 / 1e6 - lapse);
+                excess.push((started - killed) as f64 / 1e6);
             }
         }
         Failover {
-            excess: (!excess.is_empty()).then(|| percentile(&excess, 50.0)),
+            took: (!excess.is_empty()).then(|| percentile(&excess, 50.0)),
             orphaned,
         }
     }
 
-    /// What is left of the holder's lease at the kill: the Redis key's PTTL,
-    /// or a whole ttl for etcd (its session TTL counts from the last
-    /// keep-alive, which we cannot see; so etcd's excess is an upper bound).
-    fn remaining_ms(&self, tool: &Tool, key: &str) -> f64 {
-        match &tool.kind {
-            Kind::Leaderrun(url) if url.starts_with("redis") => {
-                let client =
-                    redis::Client::open(format!("redis://127.0.0.1:{}", self.redis_port)).unwrap();
-                let mut connection = client.get_connection().unwrap();
-                let pttl: i64 = redis::cmd("PTTL")
-                    .arg(format!("leaderrun:{{{key}}}:lease"))
-                    .query(&mut connection)
-                    .unwrap();
-                pttl.max(0) as f64
-            }
-            _ => (TTL_SECS * 1000) as f64,
-        }
-    }
-
-    /// CPU (ms/s) of a follower waiting on a held lease, and for Redis the
-    /// commands per second it adds.
+    /// CPU (ms/s) of a follower waiting on a held lease, and the backend
+    /// requests per second it makes: on Redis the commands it sends (EVALSHA,
+    /// BLPOP and the like, counted by the server: those the holder alone
+    /// sends are taken off), on files the lease operations leaderrun counts.
     fn idle_follower(&self, tool: &Tool) -> (f64, Option<f64>) {
         let stamps = self.dir.join(format!("{}-idle.stamps", slug(tool.name)));
         let holder = self
@@ -521,29 +468,47 @@ impl Bench {
             .spawn()
             .unwrap();
         wait_for_lines(&stamps, 1, Duration::from_secs(30));
-        let window = Duration::from_secs(6);
+        let window = Duration::from_secs(12);
         let redis = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("redis"));
-        let alone = redis.then(|| self.redis_commands_during(window));
-        let follower = self.stamped(tool, "idle", &stamps, 0).spawn().unwrap();
-        std::thread::sleep(Duration::from_millis(500));
+        let file = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("file"));
+        let alone = redis.then(|| self.redis_requests_during(window));
+        let metrics = free_port();
+        let address = format!("127.0.0.1:{metrics}");
+        let extra: &[&str] = if file {
+            &["--metrics-addr", &address]
+        } else {
+            &[]
+        };
+        let follower = self
+            .stamped_with(tool, "idle", &stamps, 0, extra)
+            .spawn()
+            .unwrap();
+        // Past its first attempts, into its steady wait.
+        std::thread::sleep(Duration::from_millis(1500));
         let before = cpu_ticks(follower.id());
+        let calls_before = file.then(|| backend_calls(metrics));
         let both = if redis {
-            Some(self.redis_commands_during(window))
+            Some(self.redis_requests_during(window))
         } else {
             std::thread::sleep(window);
             None
         };
         let after = cpu_ticks(follower.id());
+        let file_requests =
+            calls_before.map(|before| (backend_calls(metrics) - before) / window.as_secs_f64());
         kill_all(&mut [holder, follower]);
         let cpu = (after - before) as f64 * 10.0 / window.as_secs_f64(); // 100 ticks per second
-        (cpu, alone.zip(both).map(|(a, b)| b - a))
+        (cpu, alone.zip(both).map(|(a, b)| b - a).or(file_requests))
     }
 
-    fn redis_commands_during(&self, window: Duration) -> f64 {
-        let total = || redis_info(self.redis_port, "stats", "total_commands_processed:");
-        let before = total();
+    /// Requests per second that clients send to Redis over `window`: the
+    /// commands a client sends itself (scripts, BLPOP, connection set-up),
+    /// not those the scripts run.
+    fn redis_requests_during(&self, window: Duration) -> f64 {
+        let before = redis_client_commands(self.redis_port);
         std::thread::sleep(window);
-        (total() - before - 1.0) / window.as_secs_f64()
+        // The INFO that reads the counts is one of them.
+        (redis_client_commands(self.redis_port) - before - 1.0) / window.as_secs_f64()
     }
 
     /// VmRSS (kB) of a tool process holding a lease, past a renewal.
@@ -653,7 +618,9 @@ impl Bench {
         let redis_cpu = (redis_cpu_ms(redis_port) - cpu) / 10.0;
         let redis_commands =
             (redis_info(redis_port, "stats", "total_commands_processed:") - commands) / 10.0;
-        let handover = self.handover(&tool, 200, 100);
+        let handover = self
+            .interleaved_handovers(std::slice::from_ref(&tool), 200, 100)
+            .remove(0);
         let rss: u64 = leaders
             .iter()
             .take(20)
@@ -675,6 +642,144 @@ impl Bench {
     }
 }
 
+/// One tool's handovers: replicas queue up on one key; each child stamps,
+/// holds `hold_ms`, then waits on a FIFO; opening the FIFO ends the term,
+/// and the next replica (waiting) takes over. A term ends only when every
+/// queued replica is known to be waiting (its threads have used no CPU for
+/// 20 ms): the start-up of a replacement never overlaps a handover,
+/// whatever the hold.
+struct HandoverRig {
+    stamps: PathBuf,
+    go: PathBuf,
+    spawn: Box<dyn Fn() -> Child>,
+    replicas: Vec<(Child, Instant)>,
+    round: usize,
+}
+
+impl HandoverRig {
+    fn new(bench: &Bench, tool: &Tool, hold_ms: i64) -> HandoverRig {
+        let name = format!("{}-handover-{hold_ms}", slug(tool.name));
+        let stamps = bench.dir.join(format!("{name}.stamps"));
+        let go = bench.dir.join(format!("{name}.go"));
+        nix::unistd::mkfifo(&go, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let mut command = bench.stamped(tool, &format!("handover-{hold_ms}"), &stamps, hold_ms);
+        command.env("LEADERRUN_BENCH_GO", &go);
+        let program = command.get_program().to_owned();
+        let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
+        let envs: Vec<_> = command
+            .get_envs()
+            .map(|(k, v)| (k.to_owned(), v.map(|v| v.to_owned())))
+            .collect();
+        let spawn = Box::new(move || {
+            let mut command = Command::new(&program);
+            command
+                .args(&args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            for (name, value) in &envs {
+                match value {
+                    Some(value) => command.env(name, value),
+                    None => command.env_remove(name),
+                };
+            }
+            command.spawn().unwrap()
+        });
+        let replicas = (0..3).map(|_| (spawn(), Instant::now())).collect();
+        HandoverRig {
+            stamps,
+            go,
+            spawn,
+            replicas,
+            round: 0,
+        }
+    }
+
+    /// The current term runs: its child's start is stamped.
+    fn ready(&self) {
+        wait_for_lines(&self.stamps, 2 * self.round + 1, Duration::from_secs(60));
+    }
+
+    fn wait_until_waiting(&self) {
+        for (replica, spawned) in &self.replicas {
+            wait_until_waiting(replica.id(), *spawned);
+        }
+    }
+
+    /// Ends the current term; the next begins; only then the replacement of
+    /// the replica that ended starts. Which replica leads next is the
+    /// backend's choice, not the order they were started in.
+    fn hand_over(&mut self) {
+        drop(fs::OpenOptions::new().write(true).open(&self.go).unwrap());
+        wait_for_lines(&self.stamps, 2 * self.round + 3, Duration::from_secs(60));
+        let ended = loop {
+            if let Some(i) = self
+                .replicas
+                .iter_mut()
+                .position(|(r, _)| r.try_wait().unwrap().is_some())
+            {
+                break i;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        self.replicas.swap_remove(ended);
+        self.replicas.push(((self.spawn)(), Instant::now()));
+        self.round += 1;
+    }
+
+    /// The gaps, once the replicas (and their children: a killed flock or
+    /// etcdctl leaves its child running, and holding the lock) are gone.
+    fn finish(self) -> Vec<f64> {
+        let mut replicas: Vec<Child> = self.replicas.into_iter().map(|(r, _)| r).collect();
+        kill_all(&mut replicas);
+        gaps(&self.stamps)
+    }
+}
+
+/// The commands clients sent Redis so far, from `INFO commandstats`: those
+/// a client sends itself, not those run by its scripts.
+fn redis_client_commands(port: u16) -> f64 {
+    let info = redis_info_text(port, "commandstats");
+    info.lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let client = [
+                "evalsha", "eval", "blpop", "hello", "select", "ping", "auth", "info",
+            ]
+            .contains(&name)
+                || name.starts_with("script|")
+                || name.starts_with("client|");
+            if !client {
+                return None;
+            }
+            stats
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse::<f64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// `leaderrun_backend_calls_total` of the leaderrun serving metrics on `port`.
+fn backend_calls(port: u16) -> f64 {
+    use std::io::{Read as _, Write as _};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return 0.0;
+    };
+    let _ = write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n"
+    );
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    response
+        .lines()
+        .find(|l| l.starts_with("leaderrun_backend_calls_total"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// Kills every replica and its command, and reaps the replicas.
 fn kill_all(replicas: &mut [Child]) {
     for child in replicas.iter_mut() {
@@ -691,14 +796,18 @@ fn kill_all(replicas: &mut [Child]) {
     }
 }
 
-fn redis_info(port: u16, section: &str, field: &str) -> f64 {
+fn redis_info_text(port: u16, section: &str) -> String {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
     let mut connection = client.get_connection().unwrap();
-    let info: String = redis::cmd("INFO")
+    redis::cmd("INFO")
         .arg(section)
         .query(&mut connection)
-        .unwrap();
-    info.lines()
+        .unwrap()
+}
+
+fn redis_info(port: u16, section: &str, field: &str) -> f64 {
+    redis_info_text(port, section)
+        .lines()
         .find_map(|l| l.strip_prefix(field))
         .unwrap()
         .trim()

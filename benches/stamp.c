@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/prctl.h>
+#include <signal.h>
 #include <unistd.h>
 static void stamp(int fd, const char *kind) {
     struct timespec t; char buf[64];
@@ -25,7 +27,12 @@ int main(void) {
     if (ms < 0) for (;;) pause();
     usleep(ms * 1000);
     const char *go = getenv("LEADERRUN_BENCH_GO");
-    if (go) close(open(go, O_RDONLY | O_CLOEXEC));
+    if (go) {
+        /* A handover child dies with its tool when the harness clears up
+         * (a killed flock or etcdctl would leave it waiting here). */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(open(go, O_RDONLY | O_CLOEXEC));
+    }
     stamp(fd, "end");
     return 0;
 }

@@ -45,6 +45,7 @@ pub struct Metrics {
     term_ends: Family<Reason, Counter>,
     renewal_failures: Counter,
     backend_errors: Counter,
+    backend_calls: Counter,
     last_handover: Gauge<f64, AtomicU64>,
     /// When the supervisor loop last woke, in ms since `started`.
     alive_ms: AtomicU64,
@@ -69,6 +70,7 @@ impl Metrics {
             term_ends: Family::default(),
             renewal_failures: Counter::default(),
             backend_errors: Counter::default(),
+            backend_calls: Counter::default(),
             last_handover: Gauge::default(),
             alive_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -103,6 +105,11 @@ impl Metrics {
             "backend_errors",
             "Backend calls that could not reach the backend",
             metrics.backend_errors.clone(),
+        );
+        registry.register(
+            "backend_calls",
+            "Calls made to the backend (attempts, renewals, releases, heartbeats)",
+            metrics.backend_calls.clone(),
         );
         registry.register(
             "last_handover_seconds",
@@ -141,6 +148,11 @@ impl Metrics {
 
     pub fn backend_error(&self) {
         self.backend_errors.inc();
+    }
+
+    /// The counter of backend calls, for the store's `Counted` layer.
+    pub fn backend_calls(&self) -> Counter {
+        self.backend_calls.clone()
     }
 
     /// The supervisor loop is alive.

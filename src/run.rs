@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tracing::{info, warn};
 
-use crate::backend::{Fatal, Identity, LeaseConfig};
+use crate::backend::{Counted, Fatal, Identity, LeaseConfig};
 use crate::cli::RunArgs;
 use crate::error::{ConfigError, Exit};
 use crate::log;
@@ -64,12 +64,16 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
             .capabilities()
             .require_fence_advance(spec.backend.as_ref())?;
     }
-    let store = spec.backend.lease(LeaseConfig {
-        key: spec.key.clone(),
-        me: Identity::new(&spec.owner),
-        ttl: spec.timing.ttl,
-        call_timeout: spec.timing.call_timeout(),
-    })?;
+    let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
+    let store = Counted::wrap(
+        spec.backend.lease(LeaseConfig {
+            key: spec.key.clone(),
+            me: Identity::new(&spec.owner),
+            ttl: spec.timing.ttl,
+            call_timeout: spec.timing.call_timeout(),
+        })?,
+        metrics.backend_calls(),
+    );
     // The keeper is this very binary, run again: /proc/self/exe names it
     // even if the file was replaced since.
     let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
@@ -95,7 +99,6 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
         .context("cannot start the runtime")?;
     let exit = runtime.block_on(async {
         let signals = Signals::register().context("cannot register signal handlers")?;
-        let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
         if let Some(address) = &spec.metrics_addr {
             metrics::serve(address, metrics.clone())?;
         }

@@ -12,6 +12,7 @@
 //! follower, and so on. A backend that passes it works with the supervisor.
 
 mod bounded;
+mod counted;
 mod error;
 pub mod file;
 pub mod memory;
@@ -26,6 +27,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 
 pub use bounded::Bounded;
+pub use counted::Counted;
 pub use error::{Fatal, RenewError, StoreError, Unreachable};
 pub use registry::{BackendOptions, parse, schemes};
 
