@@ -13,7 +13,9 @@
 //! Run with `cargo bench --bench compare`. `LEADERRUN_BENCH_N` sets the
 //! samples per measure (default 200); `LEADERRUN_BENCH_SCALE=0` skips the
 //! scale runs and `LEADERRUN_BENCH_ROWS=0` the side-by-side rows (a partial
-//! run prints its table but leaves `docs/benchmarks.md` alone). The children are `benches/stamp.c`, compiled here: a static C
+//! run prints its table but leaves `docs/benchmarks.md` alone);
+//! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
+//! handovers, for profiling. The children are `benches/stamp.c`, compiled here: a static C
 //! program that writes CLOCK_MONOTONIC (shared by every process on the host)
 //! as its first and last actions, so no shell start-up is counted.
 
@@ -33,6 +35,7 @@ fn main() {
     let samples: usize = env_number("LEADERRUN_BENCH_N").unwrap_or(200);
     let scale = env_number("LEADERRUN_BENCH_SCALE").unwrap_or(1) != 0;
     let rows = env_number("LEADERRUN_BENCH_ROWS").unwrap_or(1) != 0;
+    let quick = env_number("LEADERRUN_BENCH_QUICK").unwrap_or(0) != 0;
     let dir = tempfile::Builder::new()
         .prefix("leaderrun-bench-")
         .tempdir()
@@ -73,6 +76,21 @@ fn main() {
         name: "flock",
         kind: Kind::Flock(dir.path().join("flock.lock")),
     });
+    if quick {
+        // Only the interleaved cycles and handovers, for profiling.
+        let cycles = bench.interleaved_cycles(&tools, samples);
+        let handovers = bench.interleaved_handovers(&tools, samples, 20);
+        for ((tool, cycle), handover) in tools.iter().zip(&cycles).zip(&handovers) {
+            println!(
+                "{:20} cycle p50 {:.2}  handover p50 {:.2} p99 {:.2}",
+                tool.name,
+                percentile(cycle, 50.0),
+                percentile(handover, 50.0),
+                percentile(handover, 99.0)
+            );
+        }
+        return;
+    }
     if rows {
         bench.rows(&mut out, &tools, samples);
     }

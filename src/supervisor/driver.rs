@@ -19,7 +19,7 @@ use tracing::{debug, info, warn};
 
 use super::HostEvent;
 use super::health::Health;
-use super::term::{Action, Event, Term, TermEnd, TermSettings};
+use super::term::{Action, EndReason, Event, Term, TermEnd, TermSettings};
 use crate::backend::{LeaseStore, RenewError, StoreError};
 use crate::error::CommandError;
 use crate::process::{ChildEnv, ProcessUnit, Processes, Spawn, reclaim_terminal, shell};
@@ -157,6 +157,14 @@ pub async fn run<P: Processes>(
                 }
                 Action::Release => release(store.as_ref(), token).await,
                 Action::Finish(end) => {
+                    if end.stopped
+                        || matches!(end.reason, EndReason::ChildExited | EndReason::Stopped)
+                    {
+                        // The run is over: the next leader may be starting
+                        // its command on this host now, and what is left to
+                        // do here must not compete with it.
+                        super::lower_priority();
+                    }
                     // Released, or lost: nothing for the guard to release.
                     procs.term(None);
                     if unit.as_ref().is_some_and(|u| u.took_terminal()) {

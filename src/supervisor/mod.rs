@@ -36,7 +36,7 @@ use crate::timing::Timing;
 
 /// Lowers this process's scheduling priority to the least: for the work a
 /// replica does on its way out, after its lease is released.
-fn lower_priority() {
+pub(crate) fn lower_priority() {
     // SAFETY: setpriority only changes this process's nice value.
     unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
 }

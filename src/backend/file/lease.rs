@@ -85,8 +85,27 @@ impl Shared {
     }
 
     pub fn acquire(&self, attempt: u64) -> Result<Attempt, StoreError> {
+        self.locked(|lease| self.acquire_locked(lease, attempt, false))
+            .map(|answer| answer.expect("a blocking acquisition always answers"))
+    }
+
+    /// The acquisition on the calling thread, if the mutex is free now and
+    /// the token needs no sync to disk; None: go through the blocking pool.
+    /// Nothing of this replica's runs while it acquires, so a slow disk can
+    /// delay no deadline.
+    pub fn acquire_now(&self, attempt: u64) -> Option<Result<Attempt, StoreError>> {
+        self.locked_now(|lease| self.acquire_locked(lease, attempt, true))
+    }
+
+    /// `inline`: give up (None) rather than sync the record to disk.
+    fn acquire_locked(
+        &self,
+        lease: &Locked<'_>,
+        attempt: u64,
+        inline: bool,
+    ) -> Result<Option<Attempt>, StoreError> {
         let me = self.me();
-        self.locked(|lease| {
+        {
             let mut record = lease.read()?;
             let now = clock::now_ns();
             if let Some(holder) = &record.holder {
@@ -96,14 +115,14 @@ impl Shared {
                     // A repeat of an attempt whose reply we never saw.
                     let token = holder.token;
                     lease.write_holder(&mut record, self, attempt, token, now)?;
-                    return Ok(Attempt::Acquired { token });
+                    return Ok(Some(Attempt::Acquired { token }));
                 }
                 if !mine && live && lease.liveness_held(holder.token)? {
-                    return Ok(Attempt::Held(Holder {
+                    return Ok(Some(Attempt::Held(Holder {
                         owner: holder.owner.clone(),
                         token: holder.token,
                         expires_in: Some(Duration::from_nanos(holder.expires - now)),
-                    }));
+                    })));
                 }
                 if mine {
                     // An earlier term of ours, over now: a new term draws a
@@ -119,14 +138,18 @@ impl Shared {
                 .into());
             }
             let token = record.counter + 1;
+            if inline && token > record.reserved {
+                // The reserved mark moves: a sync, for the blocking pool.
+                return Ok(None);
+            }
             lease.lock_liveness(token)?;
             record.counter = token;
             if let Err(e) = lease.write_holder(&mut record, self, attempt, token, now) {
                 lock::unlock(lease.file, liveness_at(token));
                 return Err(e);
             }
-            Ok(Attempt::Acquired { token })
-        })
+            Ok(Some(Attempt::Acquired { token }))
+        }
     }
 
     pub fn renew(&self, token: u64) -> Result<(), RenewError> {
@@ -165,8 +188,19 @@ impl Shared {
     }
 
     pub fn release(&self, token: u64) -> Result<bool, StoreError> {
+        self.locked(|lease| self.release_locked(lease, token))
+    }
+
+    /// The release on the calling thread, if the mutex is free now (a
+    /// release never syncs); None: go through the blocking pool. The term's
+    /// processes are gone by then, so a slow disk can delay no deadline.
+    pub fn release_now(&self, token: u64) -> Option<Result<bool, StoreError>> {
+        self.locked_now(|lease| self.release_locked(lease, token).map(Some))
+    }
+
+    fn release_locked(&self, lease: &Locked<'_>, token: u64) -> Result<bool, StoreError> {
         let me = self.me();
-        self.locked(|lease| {
+        {
             let mut record = lease.read()?;
             let ours = record
                 .holder
@@ -179,7 +213,7 @@ impl Shared {
             }
             lock::unlock(lease.file, liveness_at(token));
             Ok(ours)
-        })
+        }
     }
 
     pub fn advance_fence(&self, floor: u64) -> Result<u64, StoreError> {
@@ -287,6 +321,31 @@ impl Shared {
             // Closing the stale file also drops any liveness byte held in it:
             // the lease it described no longer exists.
             *slot = None;
+        }
+    }
+
+    /// `locked`, but only if the lease file is open and its mutex byte free
+    /// right now: no wait, for the calling thread. None if not, or if `op`
+    /// gives up (Ok(None)).
+    fn locked_now<T, E: From<Unreachable>>(
+        &self,
+        op: impl FnOnce(&Locked<'_>) -> Result<Option<T>, E>,
+    ) -> Option<Result<T, E>> {
+        let slot = self.file.try_lock().ok()?;
+        let file = slot.as_ref()?;
+        lock::try_lock(file, MUTEX_AT).ok()?;
+        let same =
+            nix::sys::stat::fstatat(self.dir(), self.name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
+                .is_ok_and(|st| {
+                    file.metadata()
+                        .is_ok_and(|m| m.dev() == st.st_dev && m.ino() == st.st_ino)
+                });
+        let result = same.then(|| op(&Locked { file, shared: self }));
+        lock::unlock(file, MUTEX_AT);
+        match result? {
+            Ok(Some(answer)) => Some(Ok(answer)),
+            Ok(None) => None,
+            Err(e) => Some(Err(e)),
         }
     }
 

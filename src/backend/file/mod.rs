@@ -155,6 +155,15 @@ pub struct FileStore {
 }
 
 impl FileStore {
+    /// Waits for a candidate record still being written, so that records
+    /// are written in the order of the calls.
+    async fn settle(&self) {
+        let pending = self.pending_beat.lock().unwrap().take();
+        if let Some(beat) = pending {
+            let _ = beat.await;
+        }
+    }
+
     fn open(dir: &Path, lease: LeaseConfig) -> Result<FileStore, ConfigError> {
         let dir_fd = state_dir::open(dir, true)?.expect("created");
         let shared = Shared {
@@ -194,10 +203,7 @@ impl FileStore {
         &self,
         op: impl FnOnce(&Shared) -> Result<T, E> + Send + 'static,
     ) -> Result<T, E> {
-        let pending = self.pending_beat.lock().unwrap().take();
-        if let Some(beat) = pending {
-            let _ = beat.await;
-        }
+        self.settle().await;
         let shared = self.shared.clone();
         tokio::task::spawn_blocking(move || op(&shared))
             .await
@@ -215,7 +221,13 @@ impl FileStore {
 impl LeaseStore for FileStore {
     fn acquire(&self, attempt: u64) -> Call<'_, Attempt> {
         Box::pin(async move {
-            let answer = self.blocking(move |shared| shared.acquire(attempt)).await?;
+            self.settle().await;
+            // On this thread when the mutex is free (a handover's critical
+            // path: no hop to the blocking pool), else on the pool.
+            let answer = match self.shared.acquire_now(attempt) {
+                Some(answer) => answer?,
+                None => self.blocking(move |shared| shared.acquire(attempt)).await?,
+            };
             // The candidate record is not on the way to the command: it is
             // written on the blocking pool while the command starts.
             let leading = matches!(answer, Attempt::Acquired { .. });
@@ -235,11 +247,19 @@ impl LeaseStore for FileStore {
     }
 
     fn release(&self, token: u64) -> Call<'_, bool> {
-        Box::pin(self.blocking(move |shared| {
-            let released = shared.release(token)?;
-            shared.beat(false);
+        Box::pin(async move {
+            self.settle().await;
+            let released = match self.shared.release_now(token) {
+                Some(released) => released?,
+                None => self.blocking(move |shared| shared.release(token)).await?,
+            };
+            // The candidate record after the release, off the way to the
+            // next leader's command.
+            let shared = self.shared.clone();
+            let beat = tokio::task::spawn_blocking(move || shared.beat(false));
+            *self.pending_beat.lock().unwrap() = Some(beat);
             Ok(released)
-        }))
+        })
     }
 
     fn advance_fence(&self, floor: u64) -> Call<'_, u64> {
