@@ -118,6 +118,12 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
             program,
             argv: spec.command.clone(),
             extra_env: Vec::new(),
+            hidden_env: spec
+                .backend
+                .secret_env()
+                .iter()
+                .map(|name| name.to_string())
+                .collect(),
         };
         let supervisor =
             Supervisor::new(lease, store, host.clone(), receiver, Health::new(metrics));

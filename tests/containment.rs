@@ -75,6 +75,7 @@ fn lease(name: &str, dir: &Path) -> LeaseSpec {
         program: "/bin/sh".into(),
         argv: vec!["sh".into(), "-c".into(), script.into()],
         extra_env: Vec::new(),
+        hidden_env: Vec::new(),
     }
 }
 

@@ -6,6 +6,8 @@
 //!   another open file description;
 //! - redis: a real `redis-server` the harness starts on a free port;
 //!   "could not ask" is the server stopped (SIGSTOP);
+//! - postgres: a real PostgreSQL the harness initdb's and starts on a free
+//!   port; "could not ask" is every process of the server stopped (SIGSTOP);
 //! - memory: the library's in-memory backend, switched off.
 
 mod common;
@@ -15,6 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::postgres_server::PostgresServer;
 use common::redis_server::RedisServer;
 use leaderrun::backend::memory::MemoryBackend;
 use leaderrun::backend::{
@@ -98,6 +101,20 @@ impl Harness for Redis {
     }
 }
 
+struct Postgres(PostgresServer);
+
+impl Harness for Postgres {
+    fn backend(&self) -> Arc<dyn Backend> {
+        leaderrun::backend::parse(Some(&self.0.url()), &BackendOptions::default()).unwrap()
+    }
+    fn unreachable(&mut self) {
+        self.0.pause();
+    }
+    fn reachable(&mut self) {
+        self.0.resume();
+    }
+}
+
 fn memory() -> Memory {
     Memory(MemoryBackend::new())
 }
@@ -117,6 +134,14 @@ fn redis() -> Redis {
     // A server younger than one ttl is held off (it may have lost a lease).
     server.wait_uptime(None, 1);
     Redis(server)
+}
+
+fn postgres() -> Postgres {
+    let harness = Postgres(PostgresServer::start());
+    // What a replica does first: make the tables (it may: superuser).
+    let store = replica(&harness, "setup", "setup");
+    block_on(store.check()).unwrap();
+    harness
 }
 
 /// A replica's store for `key` on the harness's backend.
@@ -288,12 +313,10 @@ fn the_fence_moves_up_and_tokens_stop_at_the_maximum(harness: &mut dyn Harness) 
         let observed = a.observe().await.unwrap();
         assert_eq!(observed.holder.unwrap().token, max);
         assert!(a.release(last).await.unwrap());
+        let next = a.acquire(3).await;
         assert!(
-            matches!(
-                a.acquire(3).await,
-                Err(StoreError::Fatal(Fatal::CounterExhausted { .. }))
-            ),
-            "the counter is exhausted"
+            matches!(next, Err(StoreError::Fatal(Fatal::CounterExhausted { .. }))),
+            "the counter is exhausted: {next:?}"
         );
         assert!(matches!(
             a.advance_fence(max + 1).await,
@@ -371,3 +394,4 @@ macro_rules! contract {
 contract!(memory);
 contract!(files);
 contract!(redis);
+contract!(postgres);

@@ -16,6 +16,7 @@ mod counted;
 mod error;
 pub mod file;
 pub mod memory;
+pub mod postgres;
 pub mod redis;
 mod registry;
 pub mod url;
@@ -52,6 +53,12 @@ pub trait Backend: Send + Sync + fmt::Display {
         key: &str,
         call_timeout: Duration,
     ) -> Result<Arc<dyn LeaseStore>, ConfigError>;
+
+    /// Variables of leaderrun's environment that hold a secret this backend
+    /// used (`PGPASSWORD`): the command never inherits them.
+    fn secret_env(&self) -> &'static [&'static str] {
+        &[]
+    }
 }
 
 impl fmt::Debug for dyn Backend {

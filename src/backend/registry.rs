@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::{Backend, file, redis};
+use super::{Backend, file, postgres, redis};
 use crate::error::ConfigError;
 
 /// Options given beside the URL, for the backends that take them.
@@ -24,6 +24,11 @@ const BACKENDS: &[(&[&str], &str, Parse)] = &[
         &["redis", "rediss", "redis+unix"],
         "redis://[user[:password]@]host[:port][/db], rediss://… or redis+unix:///path",
         redis::parse,
+    ),
+    (
+        &["postgres", "postgresql"],
+        "postgres://[user[:password]@]host[:port][/database][?sslmode=…&schema=…]",
+        postgres::parse,
     ),
 ];
 

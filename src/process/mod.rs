@@ -110,6 +110,8 @@ pub struct ChildEnv {
     pub owner: String,
     /// More variables (a shard's index, for instance).
     pub extra: Vec<(String, String)>,
+    /// Variables of leaderrun's environment left out (a backend's secret).
+    pub hidden: Vec<String>,
 }
 
 /// The variable that tells a nested leaderrun which leaderrun runs it.
@@ -126,12 +128,14 @@ const NOT_INHERITED: [&str; 4] = [
 
 impl ChildEnv {
     /// leaderrun's environment, plus the token, key, owner and leaderrun's
-    /// pid, minus the backend URL, as `NAME=value` entries.
+    /// pid, minus the backend URL and the backend's secrets, as `NAME=value`
+    /// entries.
     pub fn entries(&self) -> Vec<Vec<u8>> {
         let ours = |name: &[u8]| {
             name == self.token_env.as_bytes()
                 || NOT_INHERITED.iter().any(|o| name == o.as_bytes())
                 || self.extra.iter().any(|(n, _)| name == n.as_bytes())
+                || self.hidden.iter().any(|n| name == n.as_bytes())
         };
         let mut entries: Vec<Vec<u8>> = std::env::vars_os()
             .filter(|(name, _)| !ours(name.as_bytes()))

@@ -76,6 +76,9 @@ pub struct LeaseSpec {
     pub argv: Vec<OsString>,
     /// Variables the command gets besides the token, key and owner.
     pub extra_env: Vec<(String, String)>,
+    /// Variables of leaderrun's environment the command does not get: the
+    /// secrets the backend read (`Backend::secret_env`).
+    pub hidden_env: Vec<String>,
 }
 
 pub struct Supervisor<P: Processes> {
@@ -104,6 +107,7 @@ impl<P: Processes> Supervisor<P> {
             key: spec.key.clone(),
             owner: spec.owner.clone(),
             extra: spec.extra_env.clone(),
+            hidden: spec.hidden_env.clone(),
         };
         Supervisor {
             spec,

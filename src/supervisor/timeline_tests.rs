@@ -247,6 +247,7 @@ impl Rig {
             key: "k".into(),
             owner: "me".into(),
             extra: Vec::new(),
+            hidden: Vec::new(),
         };
         let argv = ["command".into()];
         let term = driver::run(

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod postgres_server;
 pub mod proxy;
 pub mod redis_server;
 
@@ -240,6 +241,11 @@ impl Run {
 
     pub fn env(&mut self, name: &str, value: impl AsRef<OsStr>) -> &mut Run {
         self.cmd.env(name, value);
+        self
+    }
+
+    pub fn env_remove(&mut self, name: &str) -> &mut Run {
+        self.cmd.env_remove(name);
         self
     }
 
