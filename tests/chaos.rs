@@ -10,8 +10,8 @@
 //! - no process started by any term is alive at the end;
 //! - availability: the share of time the publisher was served (> 70%).
 //!
-//! `CHAOS_SECONDS` (default 40: a round of every fault on Redis, and more on
-//! the file backend) sets how long faults are injected and
+//! `CHAOS_SECONDS` (default 40: a round of every fault on Redis and on
+//! PostgreSQL, and more on the file backend) sets how long faults are injected and
 //! `CHAOS_SEED` the schedule; a failing run prints its seed. Replicas that
 //! exit are restarted like containers.
 
@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::postgres_server::PostgresServer;
 use common::proxy::Proxy;
 use common::redis_server::RedisServer;
 use common::{BIN, FAST, wait_until};
@@ -131,7 +132,7 @@ enum Fault {
     PauseLeader,
     PauseBackendShort,
     PauseBackendLong,
-    RestartRedis,
+    RestartBackend,
     DropConnections,
     PartitionLeader,
 }
@@ -160,6 +161,12 @@ enum Backend {
     File {
         dir: PathBuf,
     },
+    Postgres {
+        server: PostgresServer,
+        proxies: Vec<Proxy>,
+        /// Restarts alternate between a fast and an immediate shutdown.
+        restarts: u32,
+    },
 }
 
 struct Run {
@@ -176,18 +183,27 @@ impl Run {
                 None => server.url().to_owned(),
             },
             Backend::File { dir } => format!("file:{}", dir.display()),
+            Backend::Postgres {
+                server, proxies, ..
+            } => match replica {
+                Some(i) => format!(
+                    "postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable",
+                    proxies[i].port
+                ),
+                None => server.url(),
+            },
         }
     }
 
     fn faults(&self) -> Vec<Fault> {
         match self.backend {
-            Backend::Redis { .. } => vec![
+            Backend::Redis { .. } | Backend::Postgres { .. } => vec![
                 Fault::KillLeader,
                 Fault::StopLeader,
                 Fault::PauseLeader,
                 Fault::PauseBackendShort,
                 Fault::PauseBackendLong,
-                Fault::RestartRedis,
+                Fault::RestartBackend,
                 Fault::DropConnections,
                 Fault::PartitionLeader,
             ],
@@ -250,6 +266,7 @@ fn suite(mut run: Run) {
     let name = match run.backend {
         Backend::Redis { .. } => "redis",
         Backend::File { .. } => "file",
+        Backend::Postgres { .. } => "postgres",
     };
     println!(
         "chaos on the {name} backend: {seconds} s of faults, seed {seed} (CHAOS_SEED to replay)"
@@ -391,26 +408,44 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                     std::thread::sleep(pause);
                     server.resume();
                 }
+                Backend::Postgres { server, .. } => {
+                    server.pause();
+                    std::thread::sleep(pause);
+                    server.resume();
+                }
                 Backend::File { .. } => run.block_file_backend(pause),
             }
         }
-        Fault::RestartRedis => {
-            if let Backend::Redis { server, .. } = &mut run.backend {
-                server.restart();
+        Fault::RestartBackend => match &mut run.backend {
+            Backend::Redis { server, .. } => server.restart(),
+            Backend::Postgres {
+                server, restarts, ..
+            } => {
+                *restarts += 1;
+                let shutdown = if *restarts % 2 == 1 {
+                    Signal::SIGINT
+                } else {
+                    Signal::SIGQUIT
+                };
+                server.stop_with(shutdown);
+                server.run();
             }
-        }
-        Fault::DropConnections => {
-            if let Backend::Redis { proxies, .. } = &run.backend {
+            Backend::File { .. } => {}
+        },
+        Fault::DropConnections => match &run.backend {
+            Backend::Redis { proxies, .. } | Backend::Postgres { proxies, .. } => {
                 proxies[leader].drop_connections();
             }
-        }
-        Fault::PartitionLeader => {
-            if let Backend::Redis { proxies, .. } = &run.backend {
+            Backend::File { .. } => {}
+        },
+        Fault::PartitionLeader => match &run.backend {
+            Backend::Redis { proxies, .. } | Backend::Postgres { proxies, .. } => {
                 proxies[leader].black_hole(true);
                 std::thread::sleep(TTL + rng.millis(500, 1500));
                 proxies[leader].black_hole(false);
             }
-        }
+            Backend::File { .. } => {}
+        },
     }
 }
 
@@ -621,6 +656,24 @@ fn chaos_on_redis() {
             .unwrap(),
         marker: marker(),
         backend: Backend::Redis { server, proxies },
+    });
+}
+
+#[test]
+fn chaos_on_postgres() {
+    let server = PostgresServer::start();
+    let proxies = (0..REPLICAS).map(|_| Proxy::start(server.port)).collect();
+    suite(Run {
+        dir: tempfile::Builder::new()
+            .prefix("leaderrun-chaos-")
+            .tempdir()
+            .unwrap(),
+        marker: marker(),
+        backend: Backend::Postgres {
+            server,
+            proxies,
+            restarts: 0,
+        },
     });
 }
 

@@ -521,3 +521,125 @@ fn a_hundred_followers_do_not_stampede() {
             }
         });
 }
+
+/// `examples/postgres/publish.sh`: the fence is checked in the job's own
+/// transaction. A leader whose supervisor is paused past its lease still
+/// runs its job; the job's late write, with the old token, is refused in
+/// the same transaction, after the new leader's write went in.
+#[test]
+fn the_fence_in_the_jobs_own_transaction_refuses_a_stale_leaders_write() {
+    let server = PostgresServer::start();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let table = server.psql_as(
+        "postgres",
+        "postgres",
+        &["-f", &format!("{root}/examples/postgres/digests.sql")],
+    );
+    assert!(table.status.success());
+    let sandbox = Sandbox::new();
+    let url = server.url();
+    let publish = format!("{root}/examples/postgres/publish.sh");
+    let a = sandbox
+        .leaderrun_on(&url, "digest")
+        .env("DATABASE_URL", &url)
+        .sh(&format!(
+            "{publish} first && touch a-wrote; while [ ! -e go ]; do sleep 0.05; done; {publish} late; echo $? > a-late; sleep 300"
+        ))
+        .spawn();
+    assert!(
+        wait_until(LONG, || sandbox.path("a-wrote").exists()),
+        "{}",
+        a.stderr()
+    );
+    // The supervisor stops; its job runs on, past the lease (ttl 2 s).
+    a.signal(Signal::SIGSTOP);
+    let b = sandbox
+        .leaderrun_on(&url, "digest")
+        .env("DATABASE_URL", &url)
+        .sh(&format!("{publish} second && touch b-wrote; sleep 300"))
+        .spawn();
+    assert!(
+        wait_until(LONG, || sandbox.path("b-wrote").exists()),
+        "{}",
+        b.stderr()
+    );
+    std::fs::write(sandbox.path("go"), "").unwrap();
+    assert!(wait_until(LONG, || sandbox.read("a-late").contains('\n')));
+    assert_eq!(
+        sandbox.read("a-late").trim(),
+        "3",
+        "the stale write was not refused"
+    );
+    assert_eq!(
+        server.psql(
+            "postgres",
+            "SELECT token || ':' || body FROM digests ORDER BY written_at"
+        ),
+        "1:first\n2:second"
+    );
+    a.signal(Signal::SIGCONT);
+}
+
+/// `leaderrun_fence` share-locks the lease row to the end of the job's
+/// transaction: a lease that lapses meanwhile is not acquired by anyone
+/// until that transaction ends, so its writes never land after a newer
+/// term's.
+#[test]
+fn no_one_acquires_while_a_fenced_transaction_is_open() {
+    let server = PostgresServer::start();
+    let backend =
+        leaderrun::backend::parse(Some(&server.url()), &BackendOptions::default()).unwrap();
+    let store = |owner: &str| -> Arc<dyn LeaseStore> {
+        backend
+            .lease(LeaseConfig {
+                key: "locked".into(),
+                me: Identity::new(owner),
+                ttl: Duration::from_millis(500),
+                call_timeout: Duration::from_millis(300),
+            })
+            .unwrap()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (a, b) = (store("a"), store("b"));
+    let token = runtime.block_on(async {
+        a.check().await.unwrap();
+        match a.acquire(1).await {
+            Ok(Attempt::Acquired { token }) => token,
+            other => panic!("{other:?}"),
+        }
+    });
+    // The job's transaction: the fence, then 2 s of work.
+    let sql =
+        format!("BEGIN; SELECT leaderrun_fence('locked', {token}); SELECT pg_sleep(2); COMMIT;");
+    let mut psql = server.psql_command("postgres", "postgres");
+    psql.args(["-c", &sql]);
+    let job = std::thread::spawn(move || {
+        let out = psql.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Instant::now()
+    });
+    let began = Instant::now();
+    let acquired = runtime.block_on(async {
+        loop {
+            if let Ok(Attempt::Acquired { .. }) = b.acquire(1).await {
+                return Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let committed = job.join().unwrap();
+    assert!(
+        acquired >= committed - Duration::from_millis(100),
+        "acquired {:?} after the start, the job committed {:?} after",
+        acquired - began,
+        committed - began
+    );
+    assert!(acquired - began >= Duration::from_millis(1500));
+}

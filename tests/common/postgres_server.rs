@@ -324,16 +324,24 @@ impl PostgresServer {
 
     /// psql with `args`, as `user`, over the socket.
     pub fn psql_as(&self, user: &str, db: &str, args: &[&str]) -> Output {
-        Command::new(bin_dir().join("psql"))
+        self.psql_command(user, db)
+            .args(args)
+            .output()
+            .expect("psql")
+    }
+
+    /// psql as `user` on `db` over the socket, stopping at the first error;
+    /// add its arguments.
+    pub fn psql_command(&self, user: &str, db: &str) -> Command {
+        let mut command = Command::new(bin_dir().join("psql"));
+        command
             .arg("-h")
             .arg(self.dir.path())
             .args(["-p", &self.port.to_string(), "-U", user, "-d", db])
             .args(["-X", "-q", "-At", "-v", "ON_ERROR_STOP=1"])
-            .args(args)
             .env_remove("PGPASSWORD")
-            .env_remove("PGPASSFILE")
-            .output()
-            .expect("psql")
+            .env_remove("PGPASSFILE");
+        command
     }
 
     /// A role that logs in with `password`, and a database it owns.
