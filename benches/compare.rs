@@ -2,7 +2,8 @@
 //! at scale. Prints one table and writes it, with the machine's description,
 //! to `docs/benchmarks.md`.
 //!
-//! Rows: leaderrun on the file backend and on Redis, `etcdctl lock` (when
+//! Rows: leaderrun on the file backend, on Redis and on PostgreSQL (when
+//! its programs are installed), `etcdctl lock` (when
 //! `etcd` and `etcdctl` are installed), and `flock`. Columns: uncontended
 //! whole-process cycle, graceful handover p50/p99 (from the first child's last
 //! action to the second child's first), crash failover after `kill -9` of the
@@ -24,6 +25,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::postgres_server::PostgresServer;
 
 const BIN: &str = env!("CARGO_BIN_EXE_leaderrun");
 /// Hold value for a child that runs until killed.
@@ -51,6 +57,7 @@ fn main() {
     // turn, so that the shared VM's slow spells fall on all of them.
     let redis = Server::redis(dir.path());
     let etcd = Server::etcd(dir.path());
+    let postgres = PostgresServer::installed().then(PostgresServer::start);
     let bench = Bench {
         dir: dir.path().to_owned(),
         stamp,
@@ -66,6 +73,12 @@ fn main() {
             kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", redis.port)),
         },
     ];
+    if let Some(postgres) = &postgres {
+        tools.push(Tool {
+            name: "leaderrun (postgres)",
+            kind: Kind::Leaderrun(postgres.url()),
+        });
+    }
     if let Some(etcd) = &etcd {
         tools.push(Tool {
             name: "etcdctl lock",
@@ -157,7 +170,7 @@ impl Bench {
         }
         let _ = writeln!(
             out,
-            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). takeover after kill -9: `kill -9` of the tool's process that holds the lease (leaderrun's supervisor, etcdctl, flock; {TTL_SECS} s ttl for every tool), to the waiting replica's child's start; the killed process's child, if it outlives it, is left running. child after kill -9: whether it went on running. idle follower: a process waiting on a held lease, over 12 s after its first 1.5 s; backend requests: the calls it makes (Redis: commands it sends, scripts and BLPOP, counted by the server; files: lease operations, counted by leaderrun's `leaderrun_backend_calls_total`)."
+            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). takeover after kill -9: `kill -9` of the tool's process that holds the lease (leaderrun's supervisor, etcdctl, flock; {TTL_SECS} s ttl for every tool), to the waiting replica's child's start; the killed process's child, if it outlives it, is left running. child after kill -9: whether it went on running. idle follower: a process waiting on a held lease, over 12 s after its first 1.5 s; backend requests: the calls it makes (Redis: commands it sends, scripts and BLPOP, counted by the server; files and PostgreSQL: lease operations (on PostgreSQL, one statement each), counted by leaderrun's `leaderrun_backend_calls_total`)."
         );
     }
 
@@ -478,7 +491,8 @@ impl Bench {
     /// CPU (ms/s) of a follower waiting on a held lease, and the backend
     /// requests per second it makes: on Redis the commands it sends (EVALSHA,
     /// BLPOP and the like, counted by the server: those the holder alone
-    /// sends are taken off), on files the lease operations leaderrun counts.
+    /// sends are taken off), on files and PostgreSQL the lease operations
+    /// (statements) leaderrun counts.
     fn idle_follower(&self, tool: &Tool) -> (f64, Option<f64>) {
         let stamps = self.dir.join(format!("{}-idle.stamps", slug(tool.name)));
         let holder = self
@@ -488,7 +502,8 @@ impl Bench {
         wait_for_lines(&stamps, 1, Duration::from_secs(30));
         let window = Duration::from_secs(12);
         let redis = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("redis"));
-        let file = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("file"));
+        // leaderrun counts its own calls on the other backends.
+        let file = matches!(&tool.kind, Kind::Leaderrun(url) if !url.starts_with("redis"));
         let alone = redis.then(|| self.redis_requests_during(window));
         let metrics = free_port();
         let address = format!("127.0.0.1:{metrics}");
@@ -1042,9 +1057,10 @@ fn machine() -> String {
             .unwrap_or_else(|| "not installed".into())
     };
     format!(
-        "Machine: {cores} cores ({cpu}), {memory} GiB, Linux {}; {}; {}; etcdctl {}; {}.",
+        "Machine: {cores} cores ({cpu}), {memory} GiB, Linux {}; {}; {}; {}; etcdctl {}; {}.",
         kernel.trim(),
         version("redis-server", "--version"),
+        version("psql", "--version"),
         version("etcd", "--version"),
         version("etcdctl", "version").trim_start_matches("etcdctl version: "),
         version("flock", "--version"),

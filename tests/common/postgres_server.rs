@@ -131,6 +131,15 @@ fn template() -> &'static Path {
 }
 
 impl PostgresServer {
+    /// Whether PostgreSQL's programs are installed (the benchmark runs
+    /// without them; the tests need them).
+    pub fn installed() -> bool {
+        std::fs::read_dir("/usr/lib/postgresql").is_ok_and(|mut d| d.next().is_some())
+            || std::env::var_os("PATH").is_some_and(|path| {
+                std::env::split_paths(&path).any(|dir| dir.join("initdb").exists())
+            })
+    }
+
     /// A server on 127.0.0.1 and a socket, without TLS.
     pub fn start() -> PostgresServer {
         Self::launch(false)

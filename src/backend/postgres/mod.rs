@@ -276,7 +276,11 @@ impl PostgresStore {
         let token = row.try_get::<_, i64>(1).map_err(corrupt)? as u64;
         self.saw(token);
         match code {
-            1 => Ok(Attempt::Acquired { token }),
+            1 => {
+                // The record's place in line is cleared with the acquisition.
+                self.link.unplace();
+                Ok(Attempt::Acquired { token })
+            }
             0 => {
                 let ms: i64 = row.try_get(3).map_err(corrupt)?;
                 Ok(Attempt::Held(Holder {
@@ -367,51 +371,67 @@ impl PostgresStore {
             self.qualified("leaderrun_fence(text, bigint)"),
         ];
         let params: Vec<Param<'_>> = names.iter().map(|n| (n as _, Type::TEXT)).collect();
-        let rows = self.link.query(&self.sql.exists, &params).await?;
-        let row = rows.first().ok_or_else(|| corrupt("no answer"))?;
-        let found: Vec<bool> = (0..5)
-            .map(|i| row.try_get(i))
-            .collect::<Result<_, _>>()
-            .map_err(corrupt)?;
-        let (schema, usable, objects) = (found[0], found[1], &found[2..]);
-        if schema && !usable {
-            return Err(self.lacks(&[format!("USAGE on schema {}", self.schema)]));
-        }
-        if (!schema || objects.iter().any(|f| !f)) && self.campaigns {
-            let ddl = format!(
-                "SELECT pg_advisory_xact_lock({DDL_LOCK}); {}",
-                sql::schema_ddl(&self.schema, schema)
-            );
-            let session = self.link.session().await?;
-            match self.link.batch(&session, &ddl).await {
-                Ok(()) => {}
-                Err(StoreError::Fatal(Fatal::Refused(why))) => {
-                    return Err(Fatal::Refused(format!(
-                        "{why}; or create leaderrun's tables in schema {} as a role that may: psql -v schema={} -f sql/postgres.sql (README, PostgreSQL)",
-                        self.schema, self.schema
-                    ))
-                    .into());
-                }
-                Err(other) => return Err(other),
+        let mut made = false;
+        loop {
+            let rows = self.link.query(&self.sql.exists, &params).await?;
+            let row = rows.first().ok_or_else(|| corrupt("no answer"))?;
+            let found: Vec<bool> = (0..5)
+                .map(|i| row.try_get(i))
+                .collect::<Result<_, _>>()
+                .map_err(corrupt)?;
+            let (schema, usable, objects) = (found[0], found[1], &found[2..]);
+            if schema && !usable {
+                return Err(self.lacks(&[format!("USAGE on schema {}", self.schema)]));
             }
+            if !schema || objects.iter().any(|f| !f) {
+                if self.campaigns && !made {
+                    self.make_schema(schema).await?;
+                    made = true;
+                    continue;
+                }
+                return Err(Fatal::Refused(format!(
+                    "backend {}: leaderrun's tables are missing in schema {}; let a role that may create them start leaderrun once, or run: psql -v schema={} -f sql/postgres.sql (README, PostgreSQL)",
+                    self.link.shown(),
+                    self.schema,
+                    self.schema
+                ))
+                .into());
+            }
+            let missing: Vec<String> = GRANTS
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| {
+                    !row.try_get::<_, Option<bool>>(5 + i)
+                        .ok()
+                        .flatten()
+                        .unwrap_or(false)
+                })
+                .map(|(_, (privilege, table))| format!("{privilege} on {}.{table}", self.schema))
+                .collect();
+            if !missing.is_empty() {
+                return Err(self.lacks(&missing));
+            }
+            self.ready.store(true, Ordering::SeqCst);
+            return Ok(());
         }
-        let params: Vec<Param<'_>> = names[..3].iter().map(|n| (n as _, Type::TEXT)).collect();
-        let rows = self.link.query(&self.sql.grants, &params).await?;
-        let row = rows.first().ok_or_else(|| corrupt("no answer"))?;
-        let missing: Vec<String> = GRANTS
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !row.try_get::<_, bool>(*i).unwrap_or(false))
-            .map(|(_, (privilege, on))| match *on {
-                "schema" => format!("{privilege} on schema {}", self.schema),
-                table => format!("{privilege} on {}.{table}", self.schema),
-            })
-            .collect();
-        if !missing.is_empty() {
-            return Err(self.lacks(&missing));
+    }
+
+    /// Runs `sql/postgres.sql`, one replica at a time.
+    async fn make_schema(&self, schema_exists: bool) -> Result<(), StoreError> {
+        let ddl = format!(
+            "SELECT pg_advisory_xact_lock({DDL_LOCK}); {}",
+            sql::schema_ddl(&self.schema, schema_exists)
+        );
+        let session = self.link.session().await?;
+        match self.link.batch(&session, &ddl).await {
+            Ok(()) => Ok(()),
+            Err(StoreError::Fatal(Fatal::Refused(why))) => Err(Fatal::Refused(format!(
+                "{why}; or create leaderrun's tables in schema {} as a role that may: psql -v schema={} -f sql/postgres.sql (README, PostgreSQL)",
+                self.schema, self.schema
+            ))
+            .into()),
+            Err(other) => Err(other),
         }
-        self.ready.store(true, Ordering::SeqCst);
-        Ok(())
     }
 
     /// The privileges this replica's role lacks, as an error.
@@ -444,9 +464,9 @@ impl PostgresStore {
                 self.link.batch(&session, &listen).await?;
                 session.listening.store(true, Ordering::SeqCst);
             }
-            if !session.placed.load(Ordering::SeqCst) {
+            if !self.link.placed(&session) {
                 self.with_record(&self.sql.place, &[]).await?;
-                session.placed.store(true, Ordering::SeqCst);
+                self.link.set_placed(&session);
                 // A release may have come while this replica had no place.
                 self.link.wake();
             }
@@ -481,6 +501,8 @@ impl LeaseStore for PostgresStore {
             let rows = self
                 .with_record(&self.sql.release, &[(&token, Type::INT8)])
                 .await?;
+            // The record's place in line is cleared with the release.
+            self.link.unplace();
             let row = rows.first().ok_or_else(|| corrupt("no answer"))?;
             row.try_get(0).map_err(corrupt)
         })
@@ -581,15 +603,13 @@ impl LeaseStore for PostgresStore {
     fn wakes_on_release(&self) -> bool {
         self.link
             .current()
-            .is_some_and(|s| s.listening.load(Ordering::SeqCst) && s.placed.load(Ordering::SeqCst))
+            .is_some_and(|s| s.listening.load(Ordering::SeqCst) && self.link.placed(&s))
     }
 
     fn leading(&self) {
         // Its place is gone (a leader has none); a follower again takes a
         // new one, at the back of the line.
-        if let Some(session) = self.link.current() {
-            session.placed.store(false, Ordering::SeqCst);
-        }
+        self.link.unplace();
     }
 }
 

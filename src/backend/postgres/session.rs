@@ -10,7 +10,7 @@
 use std::error::Error as _;
 use std::future::poll_fn;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Mutex, Notify};
@@ -35,6 +35,11 @@ pub struct Link {
     slot: Mutex<Option<Arc<Session>>>,
     /// Added to the message when the server asks for a password.
     pub password_hint: String,
+    /// The connection this replica's candidate record names as its place in
+    /// line (0: none). Taken by a follower's wait, given up by an
+    /// acquisition or a release (the record's place is cleared then).
+    placed: AtomicU64,
+    sessions: AtomicU64,
     /// Signalled by the driver: a notification came, or the connection
     /// dropped (its place in line with it).
     woken: Arc<Notify>,
@@ -44,10 +49,10 @@ pub struct Link {
 pub struct Session {
     pub client: Client,
     closed: Arc<AtomicBool>,
+    /// Tells it apart from the connections before it.
+    id: u64,
     /// It listens on this replica's channel.
     pub listening: AtomicBool,
-    /// This replica's candidate record names it as the place in line.
-    pub placed: AtomicBool,
     driver: JoinHandle<()>,
 }
 
@@ -77,6 +82,8 @@ impl Link {
             call_timeout,
             slot: Mutex::new(None),
             password_hint: String::new(),
+            placed: AtomicU64::new(0),
+            sessions: AtomicU64::new(0),
             woken: Arc::new(Notify::new()),
         }
     }
@@ -89,6 +96,21 @@ impl Link {
     pub fn current(&self) -> Option<Arc<Session>> {
         let slot = self.slot.try_lock().ok()?;
         slot.as_ref().filter(|s| s.alive()).cloned()
+    }
+
+    /// Whether `session` holds this replica's place in line.
+    pub fn placed(&self, session: &Session) -> bool {
+        self.placed.load(Ordering::SeqCst) == session.id
+    }
+
+    /// `session` holds this replica's place in line now.
+    pub fn set_placed(&self, session: &Session) {
+        self.placed.store(session.id, Ordering::SeqCst);
+    }
+
+    /// This replica has no place in line (it leads, or it released).
+    pub fn unplace(&self) {
+        self.placed.store(0, Ordering::SeqCst);
     }
 
     /// Waits for a notification (or the connection's end).
@@ -135,8 +157,8 @@ impl Link {
         let session = Arc::new(Session {
             client,
             closed,
+            id: self.sessions.fetch_add(1, Ordering::SeqCst) + 1,
             listening: AtomicBool::new(false),
-            placed: AtomicBool::new(false),
             driver,
         });
         *slot = Some(session.clone());

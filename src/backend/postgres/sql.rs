@@ -70,18 +70,15 @@ pub struct Statements {
     pub lease: String,
     /// `$1` key. Live candidates: (owner, host, pid, since ms, seen ms, leading).
     pub candidates: String,
-    /// Which of leaderrun's objects exist: `$1` schema, `$2` lease table,
-    /// `$3` candidate table, `$4` fence function. (schema, USAGE on it,
-    /// lease table, candidate table, fence function.)
+    /// Which of leaderrun's objects exist, and the privileges it needs on
+    /// them: `$1` schema, `$2` lease table, `$3` candidate table, `$4` fence
+    /// function. (schema, USAGE on it, lease table, candidate table, fence
+    /// function, then the privileges of `GRANTS`, NULL for a missing table.)
     pub exists: String,
-    /// The privileges leaderrun needs, each a boolean, in `GRANTS` order:
-    /// `$1` schema, `$2` lease table, `$3` candidate table.
-    pub grants: String,
 }
 
-/// What `grants` asks, in its order: for messages.
-pub const GRANTS: [(&str, &str); 8] = [
-    ("USAGE", "schema"),
+/// The table privileges `exists` asks for, in its order: for messages.
+pub const GRANTS: [(&str, &str); 7] = [
     ("SELECT", "leaderrun_lease"),
     ("INSERT", "leaderrun_lease"),
     ("UPDATE", "leaderrun_lease"),
@@ -156,7 +153,7 @@ impl Statements {
                     SELECT c.instance FROM {s}.leaderrun_candidate c
                      WHERE c.key = $1 AND c.instance <> $2 AND NOT c.leads
                        AND c.placed_at IS NOT NULL AND c.expires_at > clock_timestamp()
-                       AND EXISTS (SELECT FROM pg_stat_activity a WHERE a.pid = c.listen_pid)
+                       AND EXISTS (SELECT FROM pg_stat_get_activity(c.listen_pid))
                        AND EXISTS (SELECT FROM r)
                      ORDER BY c.placed_at
                      LIMIT 1
@@ -199,20 +196,24 @@ impl Statements {
                   ORDER BY since_ms, pid"
             ),
             // to_regclass fails without USAGE on the schema: ask only then.
+            // A privilege on a missing table is NULL.
             exists: "SELECT s.oid IS NOT NULL, usable,
-                            usable AND to_regclass($2) IS NOT NULL,
-                            usable AND to_regclass($3) IS NOT NULL,
-                            usable AND to_regprocedure($4) IS NOT NULL
+                            lease IS NOT NULL, candidate IS NOT NULL, fence IS NOT NULL,
+                            has_table_privilege(lease, 'SELECT'),
+                            has_table_privilege(lease, 'INSERT'),
+                            has_table_privilege(lease, 'UPDATE'),
+                            has_table_privilege(candidate, 'SELECT'),
+                            has_table_privilege(candidate, 'INSERT'),
+                            has_table_privilege(candidate, 'UPDATE'),
+                            has_table_privilege(candidate, 'DELETE')
                        FROM (SELECT to_regnamespace($1) AS oid) AS s,
                             LATERAL (SELECT CASE WHEN s.oid IS NULL THEN false
                                                  ELSE has_schema_privilege(s.oid, 'USAGE')
-                                            END AS usable) AS u"
-                .into(),
-            grants: "SELECT has_schema_privilege($1, 'USAGE'),
-                            has_table_privilege($2, 'SELECT'), has_table_privilege($2, 'INSERT'),
-                            has_table_privilege($2, 'UPDATE'),
-                            has_table_privilege($3, 'SELECT'), has_table_privilege($3, 'INSERT'),
-                            has_table_privilege($3, 'UPDATE'), has_table_privilege($3, 'DELETE')"
+                                            END AS usable) AS u,
+                            LATERAL (SELECT CASE WHEN usable THEN to_regclass($2) END AS lease,
+                                            CASE WHEN usable THEN to_regclass($3) END AS candidate,
+                                            CASE WHEN usable THEN to_regprocedure($4) END AS fence
+                                    ) AS o"
                 .into(),
         }
     }
