@@ -57,9 +57,18 @@ pub struct LeaseArgs {
     )]
     pub backend: Option<String>,
 
-    /// PEM file of the CA that signed a rediss:// server's certificate (for private CAs).
+    /// PEM file of the CA that signed a rediss:// or postgres:// server's certificate (for private CAs).
     #[arg(long, env = "LEADERRUN_TLS_CA_FILE", value_name = "PATH")]
     pub tls_ca_file: Option<std::path::PathBuf>,
+
+    /// The Redis sentinels' own password (redis+sentinel://); prefer the environment variable.
+    #[arg(
+        long,
+        env = "LEADERRUN_SENTINEL_PASSWORD",
+        hide_env_values = true,
+        value_name = "PASSWORD"
+    )]
+    pub sentinel_password: Option<String>,
 
     #[command(flatten)]
     pub log: LogArgs,

@@ -95,6 +95,7 @@ impl Spec {
 pub fn parse_backend(args: &LeaseArgs) -> Result<Arc<dyn Backend>, ConfigError> {
     let options = BackendOptions {
         tls_ca_file: args.tls_ca_file.clone(),
+        sentinel_password: args.sentinel_password.clone(),
     };
     backend::parse(args.backend.as_deref(), &options)
 }

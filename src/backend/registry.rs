@@ -12,6 +12,8 @@ use crate::error::ConfigError;
 pub struct BackendOptions {
     /// `--tls-ca-file`: the CA that signed a TLS server's certificate.
     pub tls_ca_file: Option<PathBuf>,
+    /// `--sentinel-password`: the Redis sentinels' own password.
+    pub sentinel_password: Option<String>,
 }
 
 type Parse = fn(&str, &BackendOptions) -> Result<Arc<dyn Backend>, ConfigError>;
@@ -21,8 +23,16 @@ type Parse = fn(&str, &BackendOptions) -> Result<Arc<dyn Backend>, ConfigError>;
 const BACKENDS: &[(&[&str], &str, Parse)] = &[
     (&["file"], "file:///abs/dir", file::parse),
     (
-        &["redis", "rediss", "redis+unix"],
-        "redis://[user[:password]@]host[:port][/db], rediss://… or redis+unix:///path",
+        &[
+            "redis",
+            "rediss",
+            "redis+unix",
+            "redis+sentinel",
+            "rediss+sentinel",
+            "redis+cluster",
+            "rediss+cluster",
+        ],
+        "redis://[user[:password]@]host[:port][/db], rediss://…, redis+unix:///path, redis+sentinel://host:port[,…]/SERVICE[/db] or redis+cluster://host:port[,…]",
         redis::parse,
     ),
     (

@@ -118,9 +118,11 @@ pub struct ChildEnv {
 pub const PARENT_ENV: &str = "LEADERRUN_PID";
 
 /// Variables of leaderrun's own that the child never inherits as they are:
-/// the backend URL may hold a password, and the others are set anew.
-const NOT_INHERITED: [&str; 4] = [
+/// the backend URL and the sentinels' password are secrets, and the others
+/// are set anew.
+const NOT_INHERITED: [&str; 5] = [
     "LEADERRUN_BACKEND",
+    "LEADERRUN_SENTINEL_PASSWORD",
     "LEADERRUN_KEY",
     "LEADERRUN_OWNER",
     PARENT_ENV,

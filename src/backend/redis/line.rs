@@ -11,7 +11,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::{AsyncConnectionConfig, Client};
+use super::connection::Target;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -21,8 +21,7 @@ const BLOCK_SECS: u64 = 5;
 
 pub struct Line {
     key: String,
-    client: Client,
-    config: AsyncConnectionConfig,
+    target: Target,
     call_timeout: Duration,
     task: Mutex<Option<JoinHandle<()>>>,
     /// The task waits in `BLPOP` now: a release would wake this replica.
@@ -33,16 +32,10 @@ pub struct Line {
 }
 
 impl Line {
-    pub fn new(
-        key: String,
-        client: Client,
-        config: AsyncConnectionConfig,
-        call_timeout: Duration,
-    ) -> Line {
+    pub fn new(key: String, target: Target, call_timeout: Duration) -> Line {
         Line {
             key,
-            client,
-            config,
+            target,
             call_timeout,
             task: Mutex::new(None),
             waiting: std::sync::atomic::AtomicBool::new(false),
@@ -86,19 +79,14 @@ impl Line {
 /// 2 s), also when the connection is made but `BLPOP` is refused (an ACL
 /// without it), so a broken line never spins.
 async fn queue(line: Arc<Line>) {
-    let config = line
-        .config
-        .clone()
-        .set_response_timeout(Some(Duration::from_secs(BLOCK_SECS) + line.call_timeout));
+    let response_timeout = Duration::from_secs(BLOCK_SECS) + line.call_timeout;
     let mut failures: u64 = 0;
     loop {
         if failures > 0 {
             tokio::time::sleep(Duration::from_millis(100 * failures.min(20))).await;
         }
         failures += 1;
-        let connect = line
-            .client
-            .get_multiplexed_async_connection_with_config(&config);
+        let connect = line.target.connect(line.call_timeout, response_timeout);
         let Ok(Ok(mut connection)) = tokio::time::timeout(line.call_timeout, connect).await else {
             continue;
         };

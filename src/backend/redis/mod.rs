@@ -1,7 +1,9 @@
 //! The Redis backend: one lease shared by replicas on any number of hosts.
 //!
-//! - `url.rs`: the URL grammar (`redis://`, `rediss://`, `redis+unix://`);
-//! - `connection.rs`: the client, the command connection, error sorting;
+//! - `url.rs`: the URL grammar (`redis://`, `rediss://`, `redis+unix://`,
+//!   `redis+sentinel://`, `redis+cluster://`);
+//! - `connection.rs`: the target (one server, a Sentinel service, a
+//!   cluster), the command connection, error sorting;
 //! - `line.rs`: the followers' line (`BLPOP`);
 //! - `scripts/*.lua`: every operation, one script each, atomic on the server.
 //!
@@ -9,9 +11,11 @@
 //! Cluster: `leaderrun:{KEY}:lease` (`"<token> <instance>/<attempt>
 //! <owner>"` with a PX expiry), `:counter` (no expiry), `:candidates`,
 //! `:line` (the one wake a release leaves), `:released` (the token of the
-//! last release, for a ttl).
+//! last release, for a ttl), `:history` (the replication id of the server
+//! the lease was last written on), `:heldoff` (a ttl's hold-off after
+//! another history was found).
 //!
-//! Three things guard against a Redis that lost its data (a restart without
+//! Four things guard against a Redis that lost its data (a restart without
 //! persistence, a failover to a replica that missed writes, a `FLUSHALL`, an
 //! eviction):
 //!
@@ -20,7 +24,10 @@
 //! - a Redis that started less than one ttl ago, or whose run id changed
 //!   under a replica's eyes, is not acquired from until one ttl has passed;
 //! - a follower that saw a holder whose lease has not expired yet, and finds
-//!   it gone without a release, waits for that expiry.
+//!   it gone without a release, waits for that expiry;
+//! - a free lease whose `:history` names another replication id than the
+//!   server's (a promoted replica: whoever asks, also a replica started after
+//!   the failover) is not handed out for one ttl.
 //!
 //! In each case a leader from before the loss may still be stopping its
 //! child; its next renewal finds the lease gone and its term is lost.
@@ -35,13 +42,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use redis::{AsyncConnectionConfig, Client, Script};
+use redis::Script;
 use tokio::time::Instant;
 use tracing::warn;
 
-use self::connection::Connection;
+use self::connection::{Connection, Target};
 use self::line::Line;
-use self::url::RedisUrl;
+use self::url::{Address, RedisUrl};
 use super::{
     Attempt, Backend, BackendOptions, Bounded, Call, Candidate, Capabilities, Fatal, Holder,
     Identity, LeaseConfig, LeaseStore, Observation, RenewError, StoreError, Unreachable,
@@ -54,16 +61,21 @@ pub const MAX_TOKEN: u64 = (1 << 53) - 1;
 const BEAT: &str = include_str!("scripts/beat.lua");
 const LIVE: &str = include_str!("scripts/live.lua");
 
-/// `redis://`, `rediss://` or `redis+unix://`, parsed, with its client.
+/// A Redis URL, parsed, with its target (one server, a Sentinel service or
+/// a cluster).
 pub struct RedisBackend {
     url: RedisUrl,
-    client: Client,
+    target: Target,
 }
 
 pub fn parse(raw: &str, options: &BackendOptions) -> Result<Arc<dyn Backend>, ConfigError> {
     let url = RedisUrl::parse(raw)?;
-    let client = connection::client(&url, options.tls_ca_file.as_ref())?;
-    Ok(Arc::new(RedisBackend { url, client }))
+    let target = connection::target(
+        &url,
+        options.tls_ca_file.as_ref(),
+        options.sentinel_password.as_deref(),
+    )?;
+    Ok(Arc::new(RedisBackend { url, target }))
 }
 
 impl fmt::Display for RedisBackend {
@@ -108,20 +120,22 @@ impl Backend for RedisBackend {
 
 impl RedisBackend {
     fn store(&self, lease: LeaseConfig) -> RedisStore {
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(lease.call_timeout))
-            .set_response_timeout(Some(lease.call_timeout));
         let prefix = format!("leaderrun:{{{}}}", lease.key);
         let key = |name: &str| format!("{prefix}:{name}");
         let id = &lease.me;
         RedisStore {
-            conn: Connection::new(self.client.clone(), config.clone(), &self.url),
+            conn: Connection::new(self.target.clone(), lease.call_timeout, &self.url),
             line: Arc::new(Line::new(
                 key("line"),
-                self.client.clone(),
-                config,
+                self.target.clone(),
                 lease.call_timeout,
             )),
+            wait_replicas: self.url.wait_replicas,
+            call_timeout: lease.call_timeout,
+            service: match &self.url.address {
+                Address::Sentinel { service, .. } => Some(service.clone()),
+                _ => None,
+            },
             keys: Keys {
                 line: key("line"),
                 lease: key("lease"),
@@ -129,6 +143,8 @@ impl RedisBackend {
                 candidates: key("candidates"),
                 released: key("released"),
                 probe: key("probe"),
+                history: key("history"),
+                heldoff: key("heldoff"),
             },
             record: format!("{} {} {} {}", id.since_ms, id.pid, id.host, id.owner),
             me: lease.me,
@@ -145,6 +161,11 @@ impl RedisBackend {
 pub struct RedisStore {
     conn: Connection,
     line: Arc<Line>,
+    /// Replicas that must acknowledge an acquisition or renewal (`?wait=`).
+    wait_replicas: u32,
+    call_timeout: Duration,
+    /// The Sentinel service, behind Sentinel.
+    service: Option<String>,
     keys: Keys,
     me: Identity,
     /// "<since ms> <pid> <host> <owner>": this replica's candidate record.
@@ -168,6 +189,10 @@ struct Keys {
     candidates: String,
     released: String,
     probe: String,
+    /// The replication id of the server the lease was last written on.
+    history: String,
+    /// Set for one ttl when a server with another history was found.
+    heldoff: String,
 }
 
 #[derive(Default)]
@@ -207,9 +232,33 @@ const YOUNG: &str =
     "the Redis server started less than one ttl ago; waiting for a stale leader to stop";
 const NEW_RUN_ID: &str =
     "the Redis server changed (new run id); waiting one ttl for a stale leader to stop";
+const OTHER_HISTORY: &str = "the lease was last written on a server with another replication history (a failover to a replica that may have missed writes, or a restart); waiting one ttl for a stale leader to stop";
 const VANISHED: &str = "the lease vanished before its known expiry (flushed, deleted or evicted); waiting for that expiry so its holder can stop";
 
 impl RedisStore {
+    /// `?wait=N`: the write just made on this connection counts only once N
+    /// replicas acknowledged it (`WAIT`, on the server of the lease's key),
+    /// so a replica promoted by a failover already has it. Not acknowledged
+    /// in time: the call could not be completed (an acquisition is then
+    /// repeated as the same attempt, a renewal is retried).
+    async fn acknowledged(&self) -> Result<(), StoreError> {
+        if self.wait_replicas == 0 {
+            return Ok(());
+        }
+        let within = (self.call_timeout / 2).as_millis().max(1) as u64;
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(self.wait_replicas).arg(within);
+        let acknowledged: i64 = self.conn.on_key_node(wait, &self.keys.lease).await?;
+        if acknowledged < i64::from(self.wait_replicas) {
+            return Err(Unreachable::Server(format!(
+                "redis: {acknowledged} of the {} replicas ?wait= asks for acknowledged the write within {within} ms",
+                self.wait_replicas
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
     fn ttl_ms(&self) -> String {
         self.ttl.as_millis().to_string()
     }
@@ -245,7 +294,14 @@ impl RedisStore {
             .conn
             .run(
                 &self.scripts.acquire,
-                &[&k.lease, &k.counter, &k.candidates, &k.released],
+                &[
+                    &k.lease,
+                    &k.counter,
+                    &k.candidates,
+                    &k.released,
+                    &k.history,
+                    &k.heldoff,
+                ],
                 &[
                     self.me.instance.clone(),
                     attempt.to_string(),
@@ -263,16 +319,19 @@ impl RedisStore {
             )
             .await?;
         let remaining = Duration::from_millis(ms.max(0) as u64);
+        if code == 1 {
+            self.saw(token);
+            if !text.is_empty() {
+                self.server.lock().unwrap().run_id = text;
+            }
+            *self.last_holder.lock().unwrap() = None;
+            // Not acknowledged: an error, and the retry finds the lease
+            // already ours (acquire is idempotent for one attempt).
+            self.acknowledged().await?;
+            return Ok(Attempt::Acquired { token });
+        }
         let mut server = self.server.lock().unwrap();
         match code {
-            1 => {
-                self.saw(token);
-                if !text.is_empty() {
-                    server.run_id = text;
-                }
-                *self.last_holder.lock().unwrap() = None;
-                Ok(Attempt::Acquired { token })
-            }
             0 => {
                 self.saw(token);
                 // PTTL is -1 for a key without expiry (an operator's SET).
@@ -309,6 +368,10 @@ impl RedisStore {
                     why: VANISHED,
                 })
             }
+            6 => Ok(Attempt::HeldOff {
+                retry_in: remaining,
+                why: OTHER_HISTORY,
+            }),
             _ => Err(Fatal::CounterExhausted {
                 counter: token,
                 max: MAX_TOKEN,
@@ -323,7 +386,7 @@ impl RedisStore {
             .conn
             .run(
                 &self.scripts.renew,
-                &[&k.lease, &k.candidates],
+                &[&k.lease, &k.candidates, &k.history],
                 &[
                     self.me.instance.clone(),
                     token.to_string(),
@@ -333,6 +396,7 @@ impl RedisStore {
             )
             .await?;
         if code == 1 {
+            self.acknowledged().await?;
             return Ok(());
         }
         self.saw(holder_token);
@@ -344,6 +408,22 @@ impl RedisStore {
     }
 
     async fn check_once(&self) -> Result<Option<Unreachable>, Fatal> {
+        if let Some(service) = &self.service {
+            match self.conn.target().service_known(service).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(Fatal::Refused(format!(
+                        "backend {}: the sentinels know no service {service:?}; name the one in their `sentinel monitor` line",
+                        self.conn.shown()
+                    )));
+                }
+                Err(error) => {
+                    return Ok(Some(Unreachable::Server(format!(
+                        "redis sentinels: {error}"
+                    ))));
+                }
+            }
+        }
         let k = &self.keys;
         let probe = self
             .conn
@@ -375,7 +455,9 @@ impl RedisStore {
             },
         }
         // A lease key evicted before its expiry is a lost lease: say so now.
-        let info: Result<String, _> = self.conn.query(redis::cmd("INFO").arg("memory")).await;
+        let mut info_memory = redis::cmd("INFO");
+        info_memory.arg("memory");
+        let info: Result<String, _> = self.conn.on_key_node(info_memory, &k.lease).await;
         if let Ok(info) = info {
             let field = |name: &str| {
                 info.lines()

@@ -4,7 +4,16 @@
 //! redis://[user[:password]@]host[:port][/db]
 //! rediss://[user[:password]@]host[:port][/db]        (TLS)
 //! redis+unix:///path/to/socket[?db=N][&user=U][&password=P]
+//! redis+sentinel://[user[:password]@]host[:port][,host[:port]…]/SERVICE[/db]
+//! redis+cluster://[user[:password]@]host[:port][,host[:port]…]
 //! ```
+//!
+//! (`rediss+sentinel://` and `rediss+cluster://` with TLS.) A URL naming
+//! several hosts is cut at the commas: the `url` crate parses it with the
+//! first host, and each host on its own. The user and password are the
+//! Redis servers'; a sentinel's own password comes from
+//! `--sentinel-password`. Every TCP form takes `?wait=N`: each acquisition
+//! and renewal counts only once N replicas acknowledged it (`WAIT`).
 //!
 //! The password is a `Secret`: no `Display`, a `Debug` of `***`, and every
 //! message shows the URL masked.
@@ -41,14 +50,44 @@ pub struct RedisUrl {
     pub username: Option<String>,
     pub password: Option<Secret>,
     pub db: i64,
+    /// Replicas that must acknowledge an acquisition or a renewal (`?wait=`).
+    pub wait_replicas: u32,
     /// The URL as given, with the password masked: for every message.
     shown: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Address {
-    Tcp { host: String, port: u16, tls: bool },
-    Unix { path: PathBuf },
+    Tcp {
+        host: String,
+        port: u16,
+        tls: bool,
+    },
+    Unix {
+        path: PathBuf,
+    },
+    /// The sentinels to ask for the primary of `service`.
+    Sentinel {
+        sentinels: Vec<(String, u16)>,
+        service: String,
+        tls: bool,
+    },
+    /// Seed nodes of a Redis Cluster.
+    Cluster {
+        nodes: Vec<(String, u16)>,
+        tls: bool,
+    },
+}
+
+impl Address {
+    pub fn tls(&self) -> bool {
+        match self {
+            Address::Tcp { tls, .. }
+            | Address::Sentinel { tls, .. }
+            | Address::Cluster { tls, .. } => *tls,
+            Address::Unix { .. } => false,
+        }
+    }
 }
 
 impl fmt::Display for RedisUrl {
@@ -59,6 +98,18 @@ impl fmt::Display for RedisUrl {
 
 impl RedisUrl {
     pub fn parse(raw: &str) -> Result<RedisUrl, ConfigError> {
+        let scheme = raw.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+        let many = matches!(
+            scheme.as_deref(),
+            Some("redis+sentinel" | "rediss+sentinel" | "redis+cluster" | "rediss+cluster")
+        );
+        if many {
+            return Self::parse_many(raw);
+        }
+        Self::parse_one(raw)
+    }
+
+    fn parse_one(raw: &str) -> Result<RedisUrl, ConfigError> {
         let url = Url::parse(raw).map_err(|e| ConfigError::BackendUrl {
             url: redact(raw),
             why: format!(
@@ -75,23 +126,9 @@ impl RedisUrl {
                 "a '#' ends the URL early; percent-encode it as %23 in a password".into(),
             ));
         }
-        let decode = |text: &str, what: &str| {
-            percent_decode_str(text)
-                .decode_utf8()
-                .map(|t| t.into_owned())
-                .map_err(|_| {
-                    refused(format!(
-                        "the {what} is not valid UTF-8 once percent-decoded"
-                    ))
-                })
-        };
-        let mut username = Some(decode(url.username(), "user")?).filter(|u| !u.is_empty());
-        let mut password = url
-            .password()
-            .map(|p| decode(p, "password"))
-            .transpose()?
-            .map(Secret);
+        let (mut username, mut password) = credentials(&url).map_err(&refused)?;
         let mut db = 0;
+        let mut wait_replicas = 0;
         let address = if url.scheme() == "redis+unix" {
             if url.path().is_empty() || !url.path().starts_with('/') || url.host().is_some() {
                 return Err(refused(
@@ -130,13 +167,7 @@ impl RedisUrl {
                     "port 0 is not a port: use 1 to 65535 (6379 by default)".into(),
                 ));
             }
-            if let Some(query) = url.query() {
-                let name = query.split(['=', '&']).next().unwrap_or_default();
-                return Err(refused(format!(
-                    "unknown query parameter {name:?}: a {}:// URL takes none (the database is /DB)",
-                    url.scheme()
-                )));
-            }
+            wait_replicas = parse_wait(&url).map_err(&refused)?;
             db = match url.path() {
                 "" | "/" => 0,
                 path => parse_db(&path[1..]).map_err(&refused)?,
@@ -152,9 +183,150 @@ impl RedisUrl {
             username,
             password,
             db,
+            wait_replicas,
             shown,
         })
     }
+
+    /// A Sentinel or Cluster URL: several hosts, cut at the commas.
+    fn parse_many(raw: &str) -> Result<RedisUrl, ConfigError> {
+        let (scheme, rest) = raw.split_once("://").unwrap_or_default();
+        let scheme = scheme.to_ascii_lowercase();
+        let sentinel = scheme.ends_with("sentinel");
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
+            None => (String::new(), authority),
+        };
+        let hosts: Vec<&str> = hosts.split(',').collect();
+        // The first host stands in for all of them in the URL the `url`
+        // crate parses.
+        let url = Url::parse(&format!("redis://{userinfo}{}{tail}", hosts[0])).map_err(|e| {
+            ConfigError::BackendUrl {
+                url: redact(raw),
+                why: format!(
+                    "{e}; a {scheme} URL is {scheme}://[user[:password]@]host[:port][,host[:port]…]{}, with '/', '@' and ':' in a user or password percent-encoded",
+                    if sentinel { "/SERVICE[/db]" } else { "" }
+                ),
+            }
+        })?;
+        let shown_userinfo = match (url.username(), url.password()) {
+            (user, Some(_)) => format!("{user}:***@"),
+            ("", None) => String::new(),
+            (user, None) => format!("{user}@"),
+        };
+        let shown = format!("{scheme}://{shown_userinfo}{}{tail}", hosts.join(","));
+        let refused = |why: String| ConfigError::BackendUrl {
+            url: shown.clone(),
+            why,
+        };
+        if url.fragment().is_some() {
+            return Err(refused(
+                "a '#' ends the URL early; percent-encode it as %23 in a password".into(),
+            ));
+        }
+        let default_port = if sentinel { 26379 } else { 6379 };
+        let mut addresses = Vec::new();
+        for host in &hosts {
+            let one = Url::parse(&format!("redis://{host}"))
+                .ok()
+                .filter(|u| u.username().is_empty() && matches!(u.path(), "" | "/"))
+                .and_then(|u| {
+                    let name = match u.host()? {
+                        url::Host::Ipv6(ip) => ip.to_string(),
+                        host => host.to_string(),
+                    };
+                    (!name.is_empty()).then(|| (name, u.port().unwrap_or(default_port)))
+                });
+            match one {
+                Some((_, 0)) => return Err(refused(format!("{host:?}: port 0 is not a port"))),
+                Some(address) => addresses.push(address),
+                None => return Err(refused(format!("{host:?} is not a host[:port]"))),
+            }
+        }
+        let (username, password) = credentials(&url).map_err(&refused)?;
+        let wait_replicas = parse_wait(&url).map_err(&refused)?;
+        let tls = scheme.starts_with("rediss");
+        let path: Vec<&str> = url.path().trim_start_matches('/').split('/').collect();
+        let (address, db) = if sentinel {
+            let service = path[0].to_owned();
+            if service.is_empty() || path.len() > 2 {
+                return Err(refused(
+                    "name the service: redis+sentinel://host:port[,host:port…]/SERVICE[/db]".into(),
+                ));
+            }
+            let db = match path.get(1) {
+                None | Some(&"") => 0,
+                Some(db) => parse_db(db).map_err(&refused)?,
+            };
+            let address = Address::Sentinel {
+                sentinels: addresses,
+                service,
+                tls,
+            };
+            (address, db)
+        } else {
+            if path != [""] {
+                return Err(refused(
+                    "a Redis Cluster has database 0 only: no /db in a cluster URL".into(),
+                ));
+            }
+            let address = Address::Cluster {
+                nodes: addresses,
+                tls,
+            };
+            (address, 0)
+        };
+        Ok(RedisUrl {
+            address,
+            username,
+            password,
+            db,
+            wait_replicas,
+            shown,
+        })
+    }
+}
+
+/// The user and password of a URL, percent-decoded.
+fn credentials(url: &Url) -> Result<(Option<String>, Option<Secret>), String> {
+    let decode = |text: &str, what: &str| {
+        percent_decode_str(text)
+            .decode_utf8()
+            .map(|t| t.into_owned())
+            .map_err(|_| format!("the {what} is not valid UTF-8 once percent-decoded"))
+    };
+    let username = Some(decode(url.username(), "user")?).filter(|u| !u.is_empty());
+    let password = url
+        .password()
+        .map(|p| decode(p, "password"))
+        .transpose()?
+        .map(Secret);
+    Ok((username, password))
+}
+
+/// `?wait=N`, the only query parameter of a TCP URL.
+fn parse_wait(url: &Url) -> Result<u32, String> {
+    let mut wait = 0;
+    for (name, value) in url.query_pairs() {
+        match &*name {
+            "wait" => {
+                wait = value
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|n| *n <= 64)
+                    .ok_or_else(|| format!("wait={value}: a number of replicas, 0 to 64"))?;
+            }
+            other => {
+                return Err(format!(
+                    "unknown query parameter {other:?}: a {}:// URL takes only wait=N (the database is /DB)",
+                    url.scheme()
+                ));
+            }
+        }
+    }
+    Ok(wait)
 }
 
 fn parse_db(text: &str) -> Result<i64, String> {
@@ -215,6 +387,52 @@ mod tests {
     }
 
     #[test]
+    fn sentinel_and_cluster_urls_name_every_host() {
+        let url = RedisUrl::parse(
+            "redis+sentinel://app:s3cr%40t@10.0.0.1,10.0.0.2:26380,[::1]:26381/mymaster/2?wait=1",
+        )
+        .unwrap();
+        assert_eq!(
+            url.address,
+            Address::Sentinel {
+                sentinels: vec![
+                    ("10.0.0.1".into(), 26379),
+                    ("10.0.0.2".into(), 26380),
+                    ("::1".into(), 26381)
+                ],
+                service: "mymaster".into(),
+                tls: false
+            }
+        );
+        assert_eq!((url.db, url.wait_replicas), (2, 1));
+        assert_eq!(url.password.as_ref().unwrap().expose(), "s3cr@t");
+        assert_eq!(
+            url.to_string(),
+            "redis+sentinel://app:***@10.0.0.1,10.0.0.2:26380,[::1]:26381/mymaster/2?wait=1"
+        );
+        let cluster = RedisUrl::parse("rediss+cluster://n1:7000,n2:7001").unwrap();
+        assert_eq!(
+            cluster.address,
+            Address::Cluster {
+                nodes: vec![("n1".into(), 7000), ("n2".into(), 7001)],
+                tls: true
+            }
+        );
+        assert_eq!(cluster.to_string(), "rediss+cluster://n1:7000,n2:7001");
+        for (raw, says) in [
+            ("redis+sentinel://:hunter2@h1,h2", "name the service"),
+            ("redis+cluster://:hunter2@h1,h2/3", "database 0 only"),
+            ("redis+cluster://:hunter2@h1,,h2", "is not a host"),
+            ("redis+cluster://:hunter2@h1,h2:0", "port 0"),
+            ("redis+cluster://:hunter2@h1?wait=x", "wait=x"),
+        ] {
+            let message = RedisUrl::parse(raw).unwrap_err().to_string();
+            assert!(!message.contains("hunter2"), "{message}");
+            assert!(message.contains(says), "{raw}: {message}");
+        }
+    }
+
+    #[test]
     fn bad_urls_name_the_problem_never_the_password() {
         for (raw, says) in [
             (
@@ -229,6 +447,7 @@ mod tests {
                 "redis://u:hunter2@host:6399?x=1",
                 "unknown query parameter \"x\"",
             ),
+            ("redis://u:hunter2@host:6399?wait=65", "0 to 64"),
             ("redis://u:hunter2@host:0", "port 0"),
             ("redis://", "no host"),
             ("redis+unix://relative.sock", "absolute socket path"),

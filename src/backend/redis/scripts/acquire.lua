@@ -1,12 +1,13 @@
 -- One acquisition attempt.
--- KEYS: lease, counter, candidates, released.
+-- KEYS: lease, counter, candidates, released, history, heldoff.
 -- ARGV: instance, attempt, owner, ttl_ms, highest token the caller has seen,
 -- run id the caller knows ("" if none), ttl in whole seconds, candidate
 -- record, token of a holder whose known expiry has not passed ("" if none),
 -- largest token.
 -- Returns {code, token, text, ms}: 1 acquired (text: run id or ""), 0 held
 -- (text: owner, ms: PTTL), 2 server too young (ms: wait), 3 run id changed,
--- 4 lease vanished before its known expiry, 5 counter exhausted.
+-- 4 lease vanished before its known expiry, 5 counter exhausted, 6 this
+-- server's history is not the one the lease was last written on (ms: wait).
 local current = redis.call('GET', KEYS[1])
 local mine = false
 if current then
@@ -42,6 +43,20 @@ if not mine then
   if uptime < tonumber(ARGV[7]) then
     return {2, 0, run_id, (tonumber(ARGV[7]) - uptime) * 1000}
   end
+  -- The lease's keys remember the history they were last written on; on
+  -- another one (a promoted replica that may have missed writes, whoever
+  -- asks) nothing is handed out for one ttl.
+  local held = redis.call('PTTL', KEYS[6])
+  if held > 0 then
+    return {6, 0, run_id, held}
+  end
+  local known = redis.call('GET', KEYS[5])
+  local now_replid = replid()
+  if known and known ~= now_replid then
+    redis.call('SET', KEYS[5], now_replid)
+    redis.call('SET', KEYS[6], '1', 'PX', ARGV[4])
+    return {6, 0, run_id, tonumber(ARGV[4])}
+  end
   if ARGV[9] ~= '' then
     -- The caller saw a holder whose lease has not expired yet: if that
     -- lease is gone without a release, the data was lost.
@@ -61,5 +76,6 @@ end
 local token = string.format('%d', counter + 1)
 redis.call('SET', KEYS[2], token)
 redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1] .. '/' .. ARGV[2] .. ' ' .. ARGV[3], 'PX', ARGV[4])
+redis.call('SET', KEYS[5], replid())
 beat(KEYS[3], ARGV[1], ARGV[4], 1, ARGV[8])
 return {1, counter + 1, run_id, tonumber(ARGV[4])}

@@ -5,6 +5,7 @@
 -- Returns "ok", or "<COMMAND>: <the server's refusal>" for the first refused.
 local checks = {
   {'INFO', 'server'},
+  {'INFO', 'replication'},
   {'TIME'},
   {'GET', KEYS[1]},
   {'PTTL', KEYS[1]},
