@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use common::postgres_server::PostgresServer;
 use common::proxy::Proxy;
-use common::redis_server::RedisServer;
+use common::redis_server::{RedisServer, SentinelSet};
 use common::{BIN, FAST, wait_until};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -135,6 +135,11 @@ enum Fault {
     RestartBackend,
     DropConnections,
     PartitionLeader,
+    /// A failover the sentinels are asked for.
+    Failover,
+    /// The primary killed: the sentinels fail over, and it comes back as
+    /// a replica.
+    KillPrimary,
 }
 
 impl Fault {
@@ -167,6 +172,9 @@ enum Backend {
         /// Restarts alternate between a fast and an immediate shutdown.
         restarts: u32,
     },
+    Sentinel {
+        set: SentinelSet,
+    },
 }
 
 struct Run {
@@ -192,6 +200,7 @@ impl Run {
                 ),
                 None => server.url(),
             },
+            Backend::Sentinel { set } => set.url(),
         }
     }
 
@@ -206,6 +215,13 @@ impl Run {
                 Fault::RestartBackend,
                 Fault::DropConnections,
                 Fault::PartitionLeader,
+            ],
+            Backend::Sentinel { .. } => vec![
+                Fault::KillLeader,
+                Fault::StopLeader,
+                Fault::PauseLeader,
+                Fault::Failover,
+                Fault::KillPrimary,
             ],
             Backend::File { .. } => vec![
                 Fault::KillLeader,
@@ -267,6 +283,7 @@ fn suite(mut run: Run) {
         Backend::Redis { .. } => "redis",
         Backend::File { .. } => "file",
         Backend::Postgres { .. } => "postgres",
+        Backend::Sentinel { .. } => "redis sentinel",
     };
     println!(
         "chaos on the {name} backend: {seconds} s of faults, seed {seed} (CHAOS_SEED to replay)"
@@ -414,6 +431,7 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                     server.resume();
                 }
                 Backend::File { .. } => run.block_file_backend(pause),
+                Backend::Sentinel { .. } => {}
             }
         }
         Fault::RestartBackend => match &mut run.backend {
@@ -430,13 +448,13 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                 server.stop_with(shutdown);
                 server.run();
             }
-            Backend::File { .. } => {}
+            Backend::File { .. } | Backend::Sentinel { .. } => {}
         },
         Fault::DropConnections => match &run.backend {
             Backend::Redis { proxies, .. } | Backend::Postgres { proxies, .. } => {
                 proxies[leader].drop_connections();
             }
-            Backend::File { .. } => {}
+            Backend::File { .. } | Backend::Sentinel { .. } => {}
         },
         Fault::PartitionLeader => match &run.backend {
             Backend::Redis { proxies, .. } | Backend::Postgres { proxies, .. } => {
@@ -444,8 +462,23 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                 std::thread::sleep(TTL + rng.millis(500, 1500));
                 proxies[leader].black_hole(false);
             }
-            Backend::File { .. } => {}
+            Backend::File { .. } | Backend::Sentinel { .. } => {}
         },
+        Fault::Failover => {
+            if let Backend::Sentinel { set } = &run.backend {
+                set.failover();
+            }
+        }
+        Fault::KillPrimary => {
+            if let Backend::Sentinel { set } = &mut run.backend {
+                let old = set.primary_port();
+                let primary = set.servers.iter_mut().find(|s| s.port == old).unwrap();
+                primary.stop();
+                set.wait_new_primary(old);
+                // Back, empty, as the sentinels' replica of the new primary.
+                set.restart_as_replica(old);
+            }
+        }
     }
 }
 
@@ -673,6 +706,20 @@ fn chaos_on_postgres() {
             server,
             proxies,
             restarts: 0,
+        },
+    });
+}
+
+#[test]
+fn chaos_on_redis_sentinel() {
+    suite(Run {
+        dir: tempfile::Builder::new()
+            .prefix("leaderrun-chaos-")
+            .tempdir()
+            .unwrap(),
+        marker: marker(),
+        backend: Backend::Sentinel {
+            set: SentinelSet::start(),
         },
     });
 }

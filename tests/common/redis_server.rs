@@ -17,6 +17,8 @@ pub struct RedisServer {
     args: Vec<String>,
     /// `redis://…` (or `rediss://`, `redis+unix://`) without credentials.
     url: String,
+    /// A sentinel's configuration file (it runs with `--sentinel`).
+    sentinel_conf: Option<PathBuf>,
 }
 
 /// A port nobody listens on right now.
@@ -165,6 +167,36 @@ impl RedisServer {
             port,
             args,
             url,
+            sentinel_conf: None,
+        };
+        server.run();
+        server
+    }
+
+    /// A sentinel on a free port, monitoring `service` at `primary_port`
+    /// (down after 1 s, failover timeout 5 s).
+    pub fn sentinel(service: &str, primary_port: u16, quorum: u32) -> RedisServer {
+        let dir = tempfile::Builder::new()
+            .prefix("leaderrun-sentinel-")
+            .tempdir()
+            .unwrap();
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\ndir {}\nsentinel monitor {service} 127.0.0.1 {primary_port} {quorum}\nsentinel down-after-milliseconds {service} 1000\nsentinel failover-timeout {service} 5000\n",
+                dir.path().display()
+            ),
+        )
+        .unwrap();
+        let mut server = RedisServer {
+            child: None,
+            dir,
+            port,
+            args: Vec::new(),
+            url: format!("redis://127.0.0.1:{port}"),
+            sentinel_conf: Some(conf),
         };
         server.run();
         server
@@ -172,21 +204,30 @@ impl RedisServer {
 
     fn run(&mut self) {
         let log = std::fs::File::create(self.dir.path().join("redis.log")).unwrap();
-        let child = super::dies_with_the_test(&mut Command::new("redis-server"))
-            .args(["--save", "", "--appendonly", "no", "--dir"])
-            .arg(self.dir.path())
-            .args(&self.args)
+        let mut command = Command::new("redis-server");
+        match &self.sentinel_conf {
+            Some(conf) => command.arg(conf).arg("--sentinel"),
+            None => command
+                // A replica syncs at once, not after the 5 s the primary
+                // waits by default for more replicas to share a transfer.
+                .args(["--repl-diskless-sync-delay", "0"])
+                .args(["--save", "", "--appendonly", "no", "--dir"])
+                .arg(self.dir.path())
+                .args(&self.args),
+        };
+        let child = super::dies_with_the_test(&mut command)
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .expect("redis-server (scripts/test installs it)");
         self.child = Some(child);
+        let ready = if self.sentinel_conf.is_some() {
+            "+monitor master"
+        } else {
+            "ready to accept connections"
+        };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !self
-            .log()
-            .to_lowercase()
-            .contains("ready to accept connections")
-        {
+        while !self.log().to_lowercase().contains(ready) {
             assert!(
                 Instant::now() < deadline,
                 "redis-server did not start:\n{}",
@@ -277,5 +318,263 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// A primary, a replica and three sentinels (quorum 2) watching service
+/// `svc`, all on loopback.
+pub struct SentinelSet {
+    pub servers: Vec<RedisServer>,
+    pub sentinels: Vec<RedisServer>,
+}
+
+pub const SERVICE: &str = "svc";
+
+impl SentinelSet {
+    pub fn start() -> SentinelSet {
+        let primary = RedisServer::start();
+        let replica =
+            RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        wait_replicated(&replica);
+        let sentinels: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::sentinel(SERVICE, primary.port, 2))
+            .collect();
+        let set = SentinelSet {
+            servers: vec![primary, replica],
+            sentinels,
+        };
+        // Every sentinel knows the others and the replica.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !set.sentinels.iter().all(|s| {
+            let known = s.command(None, &["SENTINEL", "SENTINELS", SERVICE]);
+            let replicas = s.command(None, &["SENTINEL", "REPLICAS", SERVICE]);
+            matches!((known, replicas), (Ok(redis::Value::Array(k)), Ok(redis::Value::Array(r))) if k.len() == 2 && r.len() == 1)
+        }) {
+            assert!(Instant::now() < deadline, "the sentinels did not find each other");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        set.primary().wait_uptime(None, 2);
+        set
+    }
+
+    /// `redis+sentinel://` naming all three sentinels.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        format!("redis+sentinel://{}/{SERVICE}", hosts.join(","))
+    }
+
+    /// The port of the primary, as the first sentinel that answers says.
+    pub fn primary_port(&self) -> u16 {
+        for sentinel in &self.sentinels {
+            if let Ok(redis::Value::Array(address)) =
+                sentinel.command(None, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE])
+                && let Some(redis::Value::BulkString(port)) = address.get(1)
+            {
+                return String::from_utf8_lossy(port).parse().unwrap();
+            }
+        }
+        panic!("no sentinel answers")
+    }
+
+    pub fn primary(&self) -> &RedisServer {
+        let port = self.primary_port();
+        self.servers.iter().find(|s| s.port == port).unwrap()
+    }
+
+    pub fn replica(&self) -> &RedisServer {
+        let port = self.primary_port();
+        self.servers.iter().find(|s| s.port != port).unwrap()
+    }
+
+    /// A failover asked of the sentinels, once the replica has synced (a
+    /// replica that has not is no good to them), repeated while they are
+    /// still busy with the last one; returns the new primary's port.
+    pub fn failover(&self) -> u16 {
+        let old = self.primary_port();
+        wait_replicated(self.replica());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match self.sentinels[0].command(None, &["SENTINEL", "FAILOVER", SERVICE]) {
+                Ok(_) => return self.wait_new_primary(old),
+                Err(e) => assert!(Instant::now() < deadline, "no failover: {e:?}"),
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Restarts the server on `port` (a primary that failed over), empty,
+    /// and waits until the sentinels made it the new primary's replica and
+    /// it synced.
+    pub fn restart_as_replica(&mut self, port: u16) {
+        let server = self.servers.iter_mut().find(|s| s.port == port).unwrap();
+        server.restart();
+        let server = self.servers.iter().find(|s| s.port == port).unwrap();
+        wait_replicated(server);
+    }
+
+    /// Waits until the sentinels name another primary than `old`, and it
+    /// takes writes.
+    pub fn wait_new_primary(&self, old: u16) -> u16 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = self.primary_port();
+            if now != old {
+                let role = self
+                    .servers
+                    .iter()
+                    .find(|s| s.port == now)
+                    .unwrap()
+                    .command(None, &["ROLE"]);
+                if let Ok(redis::Value::Array(role)) = role
+                    && matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master")
+                {
+                    return now;
+                }
+            }
+            assert!(Instant::now() < deadline, "no failover");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Waits until a replica has synced with its primary.
+pub fn wait_replicated(replica: &RedisServer) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(redis::Value::BulkString(info)) = replica.command(None, &["INFO", "replication"])
+            && String::from_utf8_lossy(&info).contains("master_link_status:up")
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the replica did not sync");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A Redis Cluster of three primaries with one replica each, on loopback
+/// (node timeout 1 s).
+pub struct Cluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl Cluster {
+    pub fn start() -> Cluster {
+        let nodes: Vec<RedisServer> = (0..6)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                ])
+            })
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli (scripts/test installs redis-tools)");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Cluster { nodes };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !cluster
+            .nodes
+            .iter()
+            .all(|n| cluster_info(n).contains("cluster_state:ok"))
+        {
+            assert!(Instant::now() < deadline, "the cluster did not form");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // A replica that never synced refuses to take over.
+        for node in &cluster.nodes {
+            if matches!(node.command(None, &["INFO", "replication"]), Ok(redis::Value::BulkString(info))
+                if String::from_utf8_lossy(&info).contains("role:slave"))
+            {
+                wait_replicated(node);
+            }
+        }
+        for node in &cluster.nodes {
+            node.wait_uptime(None, 2);
+        }
+        cluster
+    }
+
+    /// `redis+cluster://` naming the first three nodes as seeds.
+    pub fn url(&self) -> String {
+        let seeds: Vec<String> = self.nodes[..3]
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", seeds.join(","))
+    }
+
+    /// The node that serves `key`'s slot as primary now.
+    pub fn primary_of(&self, key: &str) -> &RedisServer {
+        let slot = self
+            .nodes
+            .iter()
+            .find_map(|n| match n.command(None, &["CLUSTER", "KEYSLOT", key]) {
+                Ok(redis::Value::Int(slot)) => Some(slot),
+                _ => None,
+            })
+            .expect("a node that answers");
+        for node in &self.nodes {
+            let Ok(redis::Value::BulkString(nodes)) = node.command(None, &["CLUSTER", "NODES"])
+            else {
+                continue;
+            };
+            for line in String::from_utf8_lossy(&nodes).lines() {
+                let fields: Vec<&str> = line.split(' ').collect();
+                if !fields[2].contains("master") || fields[2].contains("fail") {
+                    continue;
+                }
+                let port: u16 = fields[1].split(['@', ':']).nth(1).unwrap().parse().unwrap();
+                for range in &fields[8..] {
+                    let (low, high) = range.split_once('-').unwrap_or((range, range));
+                    if let (Ok(low), Ok(high)) = (low.parse::<i64>(), high.parse::<i64>())
+                        && (low..=high).contains(&slot)
+                    {
+                        return self.nodes.iter().find(|n| n.port == port).unwrap();
+                    }
+                }
+            }
+            break;
+        }
+        panic!("no primary serves {key}")
+    }
+
+    /// The replica of the primary `primary`.
+    pub fn replica_of(&self, primary: &RedisServer) -> &RedisServer {
+        self.nodes
+            .iter()
+            .find(|n| {
+                n.port != primary.port
+                    && matches!(n.command(None, &["INFO", "replication"]), Ok(redis::Value::BulkString(info))
+                        if String::from_utf8_lossy(&info).contains(&format!("master_port:{}", primary.port)))
+            })
+            .expect("a replica")
+    }
+}
+
+fn cluster_info(node: &RedisServer) -> String {
+    match node.command(None, &["CLUSTER", "INFO"]) {
+        Ok(redis::Value::BulkString(info)) => String::from_utf8_lossy(&info).into_owned(),
+        Ok(redis::Value::VerbatimString { text, .. }) => text,
+        _ => String::new(),
     }
 }
