@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use common::postgres_server::PostgresServer;
 use common::proxy::Proxy;
-use common::redis_server::{RedisServer, SentinelSet};
+use common::redis_server::{Cluster, RedisServer, SentinelSet};
 use common::{BIN, FAST, wait_until};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -175,6 +175,9 @@ enum Backend {
     Sentinel {
         set: SentinelSet,
     },
+    Cluster {
+        cluster: Cluster,
+    },
 }
 
 struct Run {
@@ -201,6 +204,7 @@ impl Run {
                 None => server.url(),
             },
             Backend::Sentinel { set } => set.url(),
+            Backend::Cluster { cluster } => cluster.url(),
         }
     }
 
@@ -216,7 +220,7 @@ impl Run {
                 Fault::DropConnections,
                 Fault::PartitionLeader,
             ],
-            Backend::Sentinel { .. } => vec![
+            Backend::Sentinel { .. } | Backend::Cluster { .. } => vec![
                 Fault::KillLeader,
                 Fault::StopLeader,
                 Fault::PauseLeader,
@@ -284,6 +288,7 @@ fn suite(mut run: Run) {
         Backend::File { .. } => "file",
         Backend::Postgres { .. } => "postgres",
         Backend::Sentinel { .. } => "redis sentinel",
+        Backend::Cluster { .. } => "redis cluster",
     };
     println!(
         "chaos on the {name} backend: {seconds} s of faults, seed {seed} (CHAOS_SEED to replay)"
@@ -431,7 +436,7 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                     server.resume();
                 }
                 Backend::File { .. } => run.block_file_backend(pause),
-                Backend::Sentinel { .. } => {}
+                Backend::Sentinel { .. } | Backend::Cluster { .. } => {}
             }
         }
         Fault::RestartBackend => match &mut run.backend {
@@ -448,13 +453,13 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                 server.stop_with(shutdown);
                 server.run();
             }
-            Backend::File { .. } | Backend::Sentinel { .. } => {}
+            Backend::File { .. } | Backend::Sentinel { .. } | Backend::Cluster { .. } => {}
         },
         Fault::DropConnections => match &run.backend {
             Backend::Redis { proxies, .. } | Backend::Postgres { proxies, .. } => {
                 proxies[leader].drop_connections();
             }
-            Backend::File { .. } | Backend::Sentinel { .. } => {}
+            Backend::File { .. } | Backend::Sentinel { .. } | Backend::Cluster { .. } => {}
         },
         Fault::PartitionLeader => match &run.backend {
             Backend::Redis { proxies, .. } | Backend::Postgres { proxies, .. } => {
@@ -462,15 +467,17 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                 std::thread::sleep(TTL + rng.millis(500, 1500));
                 proxies[leader].black_hole(false);
             }
-            Backend::File { .. } | Backend::Sentinel { .. } => {}
+            Backend::File { .. } | Backend::Sentinel { .. } | Backend::Cluster { .. } => {}
         },
-        Fault::Failover => {
-            if let Backend::Sentinel { set } = &run.backend {
+        Fault::Failover => match &run.backend {
+            Backend::Sentinel { set } => {
                 set.failover();
             }
-        }
-        Fault::KillPrimary => {
-            if let Backend::Sentinel { set } = &mut run.backend {
+            Backend::Cluster { cluster } => cluster.failover(LEASE),
+            _ => {}
+        },
+        Fault::KillPrimary => match &mut run.backend {
+            Backend::Sentinel { set } => {
                 let old = set.primary_port();
                 let primary = set.servers.iter_mut().find(|s| s.port == old).unwrap();
                 primary.stop();
@@ -478,7 +485,9 @@ fn inject(run: &mut Run, fleet: &Fleet, fault: Fault, leader: usize, rng: &mut R
                 // Back, empty, as the sentinels' replica of the new primary.
                 set.restart_as_replica(old);
             }
-        }
+            Backend::Cluster { cluster } => cluster.kill_primary(LEASE),
+            _ => {}
+        },
     }
 }
 
@@ -720,6 +729,23 @@ fn chaos_on_redis_sentinel() {
         marker: marker(),
         backend: Backend::Sentinel {
             set: SentinelSet::start(),
+        },
+    });
+}
+
+/// The key of the chaos suite's lease, as Redis names it.
+const LEASE: &str = "leaderrun:{chaos}:lease";
+
+#[test]
+fn chaos_on_redis_cluster() {
+    suite(Run {
+        dir: tempfile::Builder::new()
+            .prefix("leaderrun-chaos-")
+            .tempdir()
+            .unwrap(),
+        marker: marker(),
+        backend: Backend::Cluster {
+            cluster: Cluster::start(),
         },
     });
 }

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::redis_server::{Cluster, SERVICE, SentinelSet};
+use common::redis_server::{Cluster, SERVICE, SentinelSet, free_port};
 use common::{Sandbox, alive, ensure_dead, wait_until};
 use nix::sys::signal::Signal;
 
@@ -55,13 +55,39 @@ fn wait_terms(sandbox: &Sandbox, n: usize, leader: &common::Replica) {
     }
 }
 
+/// After a failover: `status` reads the lease, token 1 and one candidate,
+/// leading, through `url`; the leader's metrics say it leads.
+fn status_and_metrics_say_leading(sandbox: &Sandbox, url: &str, key: &str, metrics: u16) {
+    let status = common::Run::new(&sandbox.path(""))
+        .args(["status", "--backend", url, "--key", key, "--json"])
+        .run();
+    assert_eq!(status.code, 0, "{}", status.stderr);
+    let json: serde_json::Value = serde_json::from_str(&status.stdout).unwrap();
+    assert_eq!(json["token"], 1, "{json}");
+    let candidates = json["candidates"].as_array().unwrap();
+    assert_eq!(candidates.len(), 1, "{json}");
+    assert_eq!(candidates[0]["leading"], true, "{json}");
+    let (code, text) = common::get(metrics, "/metrics");
+    assert_eq!(code, 200);
+    for line in ["leaderrun_leading{", "leaderrun_token{"] {
+        let value = text
+            .lines()
+            .find(|l| l.starts_with(line))
+            .and_then(|l| l.rsplit(' ').next())
+            .unwrap_or_else(|| panic!("no {line} in {text}"));
+        assert_eq!(value, "1", "{text}");
+    }
+}
+
 #[test]
 fn a_term_goes_on_through_a_sentinel_failover_it_asked_for() {
     let set = SentinelSet::start();
     let sandbox = Sandbox::new();
+    let metrics = free_port();
     let mut leader = sandbox
         .leaderrun_on(&set.url(), "ha")
         .args(PATIENT)
+        .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
         .sh(RUNS)
         .spawn();
     assert!(
@@ -74,6 +100,7 @@ fn a_term_goes_on_through_a_sentinel_failover_it_asked_for() {
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(tokens(&sandbox), [1], "{}", leader.stderr());
     assert!(alive(sandbox.wait_pid("pids")), "{}", leader.stderr());
+    status_and_metrics_say_leading(&sandbox, &set.url(), "ha", metrics);
     leader.signal(Signal::SIGTERM);
     assert_eq!(leader.wait(LONG), Some(0));
     // The counter is on the new primary: tokens go on growing.
@@ -175,9 +202,11 @@ fn a_cluster_runs_each_lease_on_its_slot_and_follows_failovers() {
         assert_eq!(sandbox.read(&format!("{key}.token")).trim(), "1");
     }
 
+    let metrics = free_port();
     let mut leader = sandbox
         .leaderrun_on(&cluster.url(), "ha")
         .args(PATIENT)
+        .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
         .sh(RUNS)
         .spawn();
     assert!(
@@ -186,27 +215,10 @@ fn a_cluster_runs_each_lease_on_its_slot_and_follows_failovers() {
         leader.stderr()
     );
     // A failover asked for: the replica takes over with the lease.
-    let primary = cluster.primary_of("leaderrun:{ha}:lease");
-    let replica = cluster.replica_of(primary);
-    replica.command(None, &["CLUSTER", "FAILOVER"]).unwrap();
-    assert!(wait_until(LONG, || cluster
-        .primary_of("leaderrun:{ha}:lease")
-        .port
-        == replica.port));
+    cluster.failover("leaderrun:{ha}:lease");
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(tokens(&sandbox), [1], "{}", leader.stderr());
-    let status = common::Run::new(&sandbox.path(""))
-        .args([
-            "status",
-            "--backend",
-            &cluster.url(),
-            "--key",
-            "ha",
-            "--json",
-        ])
-        .run();
-    assert_eq!(status.code, 0, "{}", status.stderr);
-    assert!(status.stdout.contains("\"token\":1"), "{}", status.stdout);
+    status_and_metrics_say_leading(&sandbox, &cluster.url(), "ha", metrics);
     leader.signal(Signal::SIGTERM);
     assert_eq!(leader.wait(LONG), Some(0));
 }
@@ -224,15 +236,197 @@ fn a_killed_cluster_primary_hands_the_slot_to_its_replica_and_tokens_grow() {
         "{}",
         leader.stderr()
     );
-    let port = cluster.primary_of("leaderrun:{down}:lease").port;
-    cluster
-        .nodes
-        .iter_mut()
-        .find(|n| n.port == port)
-        .unwrap()
-        .stop();
+    cluster.kill_primary("leaderrun:{down}:lease");
     wait_terms(&sandbox, 2, &leader);
     for pid in sandbox.lines("pids") {
         ensure_dead(nix::unistd::Pid::from_raw(pid.parse().unwrap()));
+    }
+}
+
+#[test]
+fn the_sentinels_password_comes_from_a_flag_or_the_environment_and_never_reaches_the_command() {
+    let set = SentinelSet::start_with(Some("s3ntinel-pw"), false);
+    let sandbox = Sandbox::new();
+    // None, or a wrong one: refused, named, nothing run.
+    for wrong in [None, Some("nope")] {
+        let mut run = sandbox.leaderrun_on(&set.url(), "pw");
+        if let Some(password) = wrong {
+            run.args(["--sentinel-password", password]);
+        }
+        let out = run.sh("touch ran").run();
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        assert!(out.stderr.contains("--sentinel-password"), "{}", out.stderr);
+        assert!(!sandbox.path("ran").exists());
+    }
+    let out = sandbox
+        .leaderrun_on(&set.url(), "pw")
+        .env("LEADERRUN_SENTINEL_PASSWORD", "s3ntinel-pw")
+        .sh("env > env.txt; echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+    assert!(!sandbox.read("env.txt").contains("s3ntinel-pw"));
+    assert!(!out.stderr.contains("s3ntinel-pw"));
+    let out = sandbox
+        .leaderrun_on(&set.url(), "pw")
+        .args(["--sentinel-password", "s3ntinel-pw"])
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "2"), "{}", out.stderr);
+    // A password for sentinels with no sentinel URL is a mistake.
+    let out = sandbox
+        .leaderrun_on(&format!("redis://127.0.0.1:{}", set.primary_port()), "pw")
+        .args(["--sentinel-password", "s3ntinel-pw"])
+        .sh("touch ran")
+        .run();
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("redis+sentinel://"), "{}", out.stderr);
+}
+
+#[test]
+fn sentinels_or_a_cluster_that_cannot_be_reached_are_named_and_retried() {
+    let sandbox = Sandbox::new();
+    let closed = [free_port(), free_port()];
+    for url in [
+        format!(
+            "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/svc",
+            closed[0], closed[1]
+        ),
+        format!(
+            "redis+cluster://127.0.0.1:{},127.0.0.1:{}",
+            closed[0], closed[1]
+        ),
+    ] {
+        let started = Instant::now();
+        let out = sandbox
+            .leaderrun_on(&url, "gone")
+            .args(["--wait", "2s"])
+            .sh("touch ran")
+            .run();
+        // Retried (as for a server that is down) until --wait gives up.
+        assert!(
+            started.elapsed() >= Duration::from_secs(2),
+            "{}",
+            out.stderr
+        );
+        assert_ne!(out.code, 0, "{}", out.stderr);
+        assert!(
+            out.stderr.contains(&format!("127.0.0.1:{}", closed[0])),
+            "{}",
+            out.stderr
+        );
+        assert!(out.stderr.contains("unreachable"), "{}", out.stderr);
+        assert!(!sandbox.path("ran").exists());
+        let status = common::Run::new(&sandbox.path(""))
+            .args(["status", "--backend", &url, "--key", "gone"])
+            .run();
+        assert_ne!(status.code, 0, "{}", status.stderr);
+        assert!(
+            status.stderr.contains(&format!("127.0.0.1:{}", closed[0])),
+            "{}",
+            status.stderr
+        );
+    }
+}
+
+/// A replica promoted without the lease (it never got the last writes):
+/// the replica that waited does not take the free lease before one ttl,
+/// by when the old leader's command is dead; the token still grows.
+#[test]
+fn a_promoted_replica_that_missed_the_lease_hands_it_out_only_after_one_ttl() {
+    let set = SentinelSet::start();
+    let sandbox = Sandbox::new();
+    let key = "missed";
+    let leader = sandbox
+        .leaderrun_on(&set.url(), key)
+        .args(PATIENT)
+        .sh(RUNS)
+        .spawn();
+    assert!(
+        wait_until(LONG, || tokens(&sandbox).len() == 1),
+        "{}",
+        leader.stderr()
+    );
+    let follower = sandbox
+        .leaderrun_on(&set.url(), key)
+        .args(PATIENT)
+        .sh(RUNS)
+        .spawn();
+    std::thread::sleep(Duration::from_secs(1));
+    // The replica loses the lease and the counter, as if the primary had
+    // died before they reached it.
+    let replica = set.replica();
+    replica
+        .command(None, &["CONFIG", "SET", "replica-read-only", "no"])
+        .unwrap();
+    replica
+        .command(
+            None,
+            &[
+                "DEL",
+                &format!("leaderrun:{{{key}}}:lease"),
+                &format!("leaderrun:{{{key}}}:counter"),
+            ],
+        )
+        .unwrap();
+    let promoted = Instant::now();
+    set.failover();
+    // The old term ends (its renewal finds no lease); the next one starts
+    // one ttl (6 s) after the lease was found free, with a greater token.
+    wait_terms(&sandbox, 2, &leader);
+    let took = promoted.elapsed();
+    assert!(
+        took >= Duration::from_secs(5),
+        "the next term began {took:?} after the failover"
+    );
+    let mut log = leader.stderr();
+    log.push_str(&follower.stderr());
+    assert!(log.contains("replication history"), "{log}");
+}
+
+#[test]
+fn tls_through_the_sentinels_and_to_every_cluster_node() {
+    let sandbox = Sandbox::new();
+    let set = SentinelSet::start_with(None, true);
+    let cluster = Cluster::start_with(true);
+    for (url, ca) in [
+        (set.url(), set.ca().unwrap()),
+        (cluster.url(), cluster.ca().unwrap()),
+    ] {
+        assert!(url.starts_with("rediss+"), "{url}");
+        // The CA is the test's own: without it, the certificate is unknown.
+        let out = sandbox
+            .leaderrun_on(&url, "tls")
+            .args(["--wait", "2s"])
+            .sh("touch ran")
+            .run();
+        assert_ne!(out.code, 0, "{}", out.stderr);
+        assert!(
+            out.stderr.to_lowercase().contains("certificate"),
+            "{}",
+            out.stderr
+        );
+        assert!(!sandbox.path("ran").exists());
+        let out = sandbox
+            .leaderrun_on(&url, "tls")
+            .arg("--tls-ca-file")
+            .arg(&ca)
+            .sh("echo $LEADERRUN_TOKEN")
+            .run();
+        assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+        let status = common::Run::new(&sandbox.path(""))
+            .args([
+                "status",
+                "--backend",
+                &url,
+                "--key",
+                "tls",
+                "--json",
+                "--tls-ca-file",
+            ])
+            .arg(&ca)
+            .run();
+        // Free (exit 3), the counter read through TLS.
+        assert_eq!(status.code, 3, "{}", status.stderr);
+        assert!(status.stdout.contains("\"counter\":1"), "{}", status.stdout);
     }
 }

@@ -19,6 +19,8 @@ pub struct RedisServer {
     url: String,
     /// A sentinel's configuration file (it runs with `--sentinel`).
     sentinel_conf: Option<PathBuf>,
+    /// The CA of a TLS server, for `command`.
+    ca: Option<PathBuf>,
 }
 
 /// A port nobody listens on right now.
@@ -71,85 +73,24 @@ impl RedisServer {
             .prefix("leaderrun-redis-")
             .tempdir()
             .unwrap();
-        let d = dir.path();
-        let openssl = |args: &[&str]| {
-            let ok = Command::new("openssl")
-                .args(args)
-                .current_dir(d)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .expect("openssl")
-                .success();
-            assert!(ok, "openssl {args:?}");
-        };
-        openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=leaderrun test CA",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-        ]);
-        openssl(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ]);
-        std::fs::write(
-            d.join("san.ext"),
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
-        )
-        .unwrap();
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.pem",
-        ]);
+        let certificates = Certificates::make_in(dir.path());
         let port = free_port();
-        let args = vec![
-            "--port".into(),
-            "0".into(),
-            "--tls-port".into(),
-            port.to_string(),
-            "--tls-cert-file".into(),
-            d.join("server.pem").display().to_string(),
-            "--tls-key-file".into(),
-            d.join("server.key").display().to_string(),
-            "--tls-ca-cert-file".into(),
-            d.join("ca.pem").display().to_string(),
-            "--tls-auth-clients".into(),
-            "no".into(),
-        ];
-        let ca = d.join("ca.pem");
-        let server = Self::launch_in(dir, args, port, format!("rediss://localhost:{port}"));
+        let args = certificates.server_args(port);
+        let ca = certificates.ca.clone();
+        let mut server = Self::launch_in(dir, args, port, format!("rediss://localhost:{port}"));
+        server.ca = Some(ca.clone());
         (server, ca)
+    }
+
+    /// A TLS-only server (replication and cluster bus too) with the
+    /// certificate of `certificates`, and `extra` arguments.
+    pub fn start_tls_with(certificates: &Certificates, extra: &[&str]) -> RedisServer {
+        let port = free_port();
+        let mut args = certificates.server_args(port);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let mut server = Self::launch(args, port, format!("rediss://127.0.0.1:{port}"));
+        server.ca = Some(certificates.ca.clone());
+        server
     }
 
     fn launch(args: Vec<String>, port: u16, url: String) -> RedisServer {
@@ -168,6 +109,7 @@ impl RedisServer {
             args,
             url,
             sentinel_conf: None,
+            ca: None,
         };
         server.run();
         server
@@ -176,16 +118,43 @@ impl RedisServer {
     /// A sentinel on a free port, monitoring `service` at `primary_port`
     /// (down after 1 s, failover timeout 5 s).
     pub fn sentinel(service: &str, primary_port: u16, quorum: u32) -> RedisServer {
+        Self::sentinel_with(service, primary_port, quorum, None, None)
+    }
+
+    /// `sentinel`, asking for `password` (and giving it to the other
+    /// sentinels), and with TLS only.
+    pub fn sentinel_with(
+        service: &str,
+        primary_port: u16,
+        quorum: u32,
+        password: Option<&str>,
+        tls: Option<&Certificates>,
+    ) -> RedisServer {
         let dir = tempfile::Builder::new()
             .prefix("leaderrun-sentinel-")
             .tempdir()
             .unwrap();
         let port = free_port();
         let conf = dir.path().join("sentinel.conf");
+        let mut more = String::new();
+        if let Some(p) = password {
+            more.push_str(&format!("requirepass {p}\nsentinel sentinel-pass {p}\n"));
+        }
+        if let Some(tls) = tls {
+            // Later lines win: no plain port, TLS to clients and servers.
+            let args = tls.server_args(port);
+            for pair in args.chunks(2) {
+                more.push_str(&format!(
+                    "{} {}\n",
+                    pair[0].trim_start_matches("--"),
+                    pair[1]
+                ));
+            }
+        }
         std::fs::write(
             &conf,
             format!(
-                "port {port}\ndir {}\nsentinel monitor {service} 127.0.0.1 {primary_port} {quorum}\nsentinel down-after-milliseconds {service} 1000\nsentinel failover-timeout {service} 5000\n",
+                "port {port}\ndir {}\nsentinel monitor {service} 127.0.0.1 {primary_port} {quorum}\nsentinel down-after-milliseconds {service} 1000\nsentinel failover-timeout {service} 5000\n{more}",
                 dir.path().display()
             ),
         )
@@ -195,8 +164,12 @@ impl RedisServer {
             dir,
             port,
             args: Vec::new(),
-            url: format!("redis://127.0.0.1:{port}"),
+            url: format!(
+                "{}://127.0.0.1:{port}",
+                if tls.is_some() { "rediss" } else { "redis" }
+            ),
             sentinel_conf: Some(conf),
+            ca: tls.map(|t| t.ca.clone()),
         };
         server.run();
         server
@@ -281,7 +254,16 @@ impl RedisServer {
             Some(userinfo) => self.url.replacen("://", &format!("://{userinfo}@"), 1),
             None => self.url.clone(),
         };
-        let client = redis::Client::open(url.as_str())?;
+        let client = match &self.ca {
+            Some(ca) => redis::Client::build_with_tls(
+                url.as_str(),
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(std::fs::read(ca).unwrap()),
+                },
+            )?,
+            None => redis::Client::open(url.as_str())?,
+        };
         let mut connection = client.get_connection_with_timeout(Duration::from_secs(5))?;
         let mut cmd = redis::cmd(args[0]);
         for arg in &args[1..] {
@@ -326,28 +308,54 @@ impl Drop for RedisServer {
 pub struct SentinelSet {
     pub servers: Vec<RedisServer>,
     pub sentinels: Vec<RedisServer>,
+    /// The sentinels' own password, if they have one.
+    pub sentinel_password: Option<String>,
+    _certificates: Option<Certificates>,
 }
 
 pub const SERVICE: &str = "svc";
 
 impl SentinelSet {
     pub fn start() -> SentinelSet {
-        let primary = RedisServer::start();
-        let replica =
-            RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        Self::start_with(None, false)
+    }
+
+    /// A set whose sentinels ask for `sentinel_password` (and give it to
+    /// each other); with `tls`, every server and sentinel speaks only TLS.
+    pub fn start_with(sentinel_password: Option<&str>, tls: bool) -> SentinelSet {
+        let certificates = tls.then(Certificates::make);
+        let primary = match &certificates {
+            Some(c) => RedisServer::start_tls_with(c, &[]),
+            None => RedisServer::start(),
+        };
+        let replica_of = ["--replicaof", "127.0.0.1", &primary.port.to_string()];
+        let replica = match &certificates {
+            Some(c) => RedisServer::start_tls_with(c, &replica_of),
+            None => RedisServer::start_with(&replica_of),
+        };
         wait_replicated(&replica);
         let sentinels: Vec<RedisServer> = (0..3)
-            .map(|_| RedisServer::sentinel(SERVICE, primary.port, 2))
+            .map(|_| {
+                RedisServer::sentinel_with(
+                    SERVICE,
+                    primary.port,
+                    2,
+                    sentinel_password,
+                    certificates.as_ref(),
+                )
+            })
             .collect();
         let set = SentinelSet {
             servers: vec![primary, replica],
             sentinels,
+            sentinel_password: sentinel_password.map(str::to_owned),
+            _certificates: certificates,
         };
         // Every sentinel knows the others and the replica.
         let deadline = Instant::now() + Duration::from_secs(30);
         while !set.sentinels.iter().all(|s| {
-            let known = s.command(None, &["SENTINEL", "SENTINELS", SERVICE]);
-            let replicas = s.command(None, &["SENTINEL", "REPLICAS", SERVICE]);
+            let known = set.sentinel_command(s, &["SENTINEL", "SENTINELS", SERVICE]);
+            let replicas = set.sentinel_command(s, &["SENTINEL", "REPLICAS", SERVICE]);
             matches!((known, replicas), (Ok(redis::Value::Array(k)), Ok(redis::Value::Array(r))) if k.len() == 2 && r.len() == 1)
         }) {
             assert!(Instant::now() < deadline, "the sentinels did not find each other");
@@ -357,6 +365,21 @@ impl SentinelSet {
         set
     }
 
+    /// The CA of a TLS set.
+    pub fn ca(&self) -> Option<PathBuf> {
+        self._certificates.as_ref().map(|c| c.ca.clone())
+    }
+
+    /// A command to one sentinel, with their password if they have one.
+    pub fn sentinel_command(
+        &self,
+        sentinel: &RedisServer,
+        args: &[&str],
+    ) -> redis::RedisResult<redis::Value> {
+        let auth = self.sentinel_password.as_ref().map(|p| format!(":{p}"));
+        sentinel.command(auth.as_deref(), args)
+    }
+
     /// `redis+sentinel://` naming all three sentinels.
     pub fn url(&self) -> String {
         let hosts: Vec<String> = self
@@ -364,14 +387,19 @@ impl SentinelSet {
             .iter()
             .map(|s| format!("127.0.0.1:{}", s.port))
             .collect();
-        format!("redis+sentinel://{}/{SERVICE}", hosts.join(","))
+        let scheme = if self._certificates.is_some() {
+            "rediss+sentinel"
+        } else {
+            "redis+sentinel"
+        };
+        format!("{scheme}://{}/{SERVICE}", hosts.join(","))
     }
 
     /// The port of the primary, as the first sentinel that answers says.
     pub fn primary_port(&self) -> u16 {
         for sentinel in &self.sentinels {
             if let Ok(redis::Value::Array(address)) =
-                sentinel.command(None, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE])
+                self.sentinel_command(sentinel, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE])
                 && let Some(redis::Value::BulkString(port)) = address.get(1)
             {
                 return String::from_utf8_lossy(port).parse().unwrap();
@@ -398,7 +426,7 @@ impl SentinelSet {
         wait_replicated(self.replica());
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            match self.sentinels[0].command(None, &["SENTINEL", "FAILOVER", SERVICE]) {
+            match self.sentinel_command(&self.sentinels[0], &["SENTINEL", "FAILOVER", SERVICE]) {
                 Ok(_) => return self.wait_new_primary(old),
                 Err(e) => assert!(Instant::now() < deadline, "no failover: {e:?}"),
             }
@@ -459,27 +487,40 @@ pub fn wait_replicated(replica: &RedisServer) {
 /// (node timeout 1 s).
 pub struct Cluster {
     pub nodes: Vec<RedisServer>,
+    certificates: Option<Certificates>,
 }
 
 impl Cluster {
     pub fn start() -> Cluster {
+        Self::start_with(false)
+    }
+
+    /// With `tls`, every node speaks only TLS, the cluster bus too.
+    pub fn start_with(tls: bool) -> Cluster {
+        let certificates = tls.then(Certificates::make);
+        let args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "1000",
+            "--cluster-config-file",
+            "nodes.conf",
+        ];
         let nodes: Vec<RedisServer> = (0..6)
-            .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "1000",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                ])
+            .map(|_| match &certificates {
+                Some(c) => RedisServer::start_tls_with(c, &args),
+                None => RedisServer::start_with(&args),
             })
             .collect();
         let addresses: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new("redis-cli")
+        let mut create = Command::new("redis-cli");
+        if let Some(c) = &certificates {
+            create.arg("--tls").arg("--cacert").arg(&c.ca);
+        }
+        let out = create
             .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-replicas", "1", "--cluster-yes"])
@@ -490,7 +531,10 @@ impl Cluster {
             "{}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let cluster = Cluster { nodes };
+        let cluster = Cluster {
+            nodes,
+            certificates,
+        };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !cluster
             .nodes
@@ -514,17 +558,36 @@ impl Cluster {
         cluster
     }
 
+    /// The CA of a TLS cluster.
+    pub fn ca(&self) -> Option<PathBuf> {
+        self.certificates.as_ref().map(|c| c.ca.clone())
+    }
+
     /// `redis+cluster://` naming the first three nodes as seeds.
     pub fn url(&self) -> String {
         let seeds: Vec<String> = self.nodes[..3]
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        format!("redis+cluster://{}", seeds.join(","))
+        let scheme = if self.certificates.is_some() {
+            "rediss+cluster"
+        } else {
+            "redis+cluster"
+        };
+        format!("{scheme}://{}", seeds.join(","))
     }
 
     /// The node that serves `key`'s slot as primary now.
     pub fn primary_of(&self, key: &str) -> &RedisServer {
+        let port = self
+            .primary_port_of(key)
+            .unwrap_or_else(|| panic!("no primary serves {key}"));
+        self.nodes.iter().find(|n| n.port == port).unwrap()
+    }
+
+    /// The port of the node that serves `key`'s slot as primary, as the
+    /// first node that answers says; none while the slot is unserved.
+    pub fn primary_port_of(&self, key: &str) -> Option<u16> {
         let slot = self
             .nodes
             .iter()
@@ -549,13 +612,62 @@ impl Cluster {
                     if let (Ok(low), Ok(high)) = (low.parse::<i64>(), high.parse::<i64>())
                         && (low..=high).contains(&slot)
                     {
-                        return self.nodes.iter().find(|n| n.port == port).unwrap();
+                        return Some(port);
                     }
                 }
             }
             break;
         }
-        panic!("no primary serves {key}")
+        None
+    }
+
+    /// Waits until `key`'s slot is served by a primary other than `old`.
+    fn wait_slot_moved(&self, key: &str, old: u16) -> u16 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match self.primary_port_of(key) {
+                Some(port) if port != old => return port,
+                _ => assert!(Instant::now() < deadline, "no failover of {key}'s slot"),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A failover of `key`'s slot asked of its primary's replica, which
+    /// catches up first; returns once the replica serves the slot.
+    pub fn failover(&self, key: &str) {
+        let primary = self.primary_of(key);
+        let replica = self.replica_of(primary);
+        wait_replicated(replica);
+        replica.command(None, &["CLUSTER", "FAILOVER"]).unwrap();
+        self.wait_slot_moved(key, primary.port);
+    }
+
+    /// Kills the primary of `key`'s slot (SIGKILL); once its replica serves
+    /// the slot, starts it again, empty: it rejoins as that one's replica.
+    pub fn kill_primary(&mut self, key: &str) {
+        let old = self.stop_primary(key);
+        self.wait_slot_moved(key, old);
+        self.rejoin(old);
+    }
+
+    /// Kills the primary of `key`'s slot (SIGKILL); returns its port.
+    pub fn stop_primary(&mut self, key: &str) -> u16 {
+        let old = self.primary_of(key).port;
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == old)
+            .unwrap()
+            .stop();
+        old
+    }
+
+    /// Starts the stopped node on `port` again, empty, and waits until it
+    /// rejoined as a replica and synced.
+    pub fn rejoin(&mut self, port: u16) {
+        let node = self.nodes.iter_mut().find(|n| n.port == port).unwrap();
+        node.run();
+        wait_replicated(node);
     }
 
     /// The replica of the primary `primary`.
@@ -576,5 +688,123 @@ fn cluster_info(node: &RedisServer) -> String {
         Ok(redis::Value::BulkString(info)) => String::from_utf8_lossy(&info).into_owned(),
         Ok(redis::Value::VerbatimString { text, .. }) => text,
         _ => String::new(),
+    }
+}
+
+/// A CA made for one test, and a certificate it signed for `localhost` and
+/// 127.0.0.1.
+pub struct Certificates {
+    _dir: Option<tempfile::TempDir>,
+    pub ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+impl Certificates {
+    /// In a directory of their own.
+    pub fn make() -> Certificates {
+        let dir = tempfile::Builder::new()
+            .prefix("leaderrun-certs-")
+            .tempdir()
+            .unwrap();
+        let mut certificates = Self::make_in(dir.path());
+        certificates._dir = Some(dir);
+        certificates
+    }
+
+    /// In `d`, which the caller keeps.
+    pub fn make_in(d: &Path) -> Certificates {
+        let openssl = |args: &[&str]| {
+            let ok = Command::new("openssl")
+                .args(args)
+                .current_dir(d)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("openssl")
+                .success();
+            assert!(ok, "openssl {args:?}");
+        };
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=leaderrun test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ]);
+        std::fs::write(
+            d.join("san.ext"),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.pem",
+        ]);
+        Certificates {
+            _dir: None,
+            ca: d.join("ca.pem"),
+            cert: d.join("server.pem"),
+            key: d.join("server.key"),
+        }
+    }
+
+    /// `redis-server` arguments for TLS only on `port`: to clients (who
+    /// need not show a certificate), to replicas and on the cluster bus.
+    pub fn server_args(&self, port: u16) -> Vec<String> {
+        [
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &self.cert.display().to_string(),
+            "--tls-key-file",
+            &self.key.display().to_string(),
+            "--tls-ca-cert-file",
+            &self.ca.display().to_string(),
+            "--tls-auth-clients",
+            "no",
+            "--tls-replication",
+            "yes",
+            "--tls-cluster",
+            "yes",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect()
     }
 }

@@ -275,10 +275,7 @@ impl Connection {
     pub fn classify(&self, error: RedisError) -> StoreError {
         let text = error.to_string();
         let code = error.code().unwrap_or_default();
-        if error.kind() == redis::ErrorKind::AuthenticationFailed
-            || code == "WRONGPASS"
-            || code == "NOAUTH"
-        {
+        if is_auth_error(&error) {
             return Fatal::Refused(format!(
                 "backend {} refused the credentials: {text}; check the user and password in the URL",
                 self.shown
@@ -308,6 +305,12 @@ impl Connection {
         }
         Unreachable::Server(format!("redis: {text}")).into()
     }
+}
+
+/// Whether the server (or a sentinel) refused the credentials.
+pub fn is_auth_error(error: &RedisError) -> bool {
+    error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("WRONGPASS" | "NOAUTH"))
 }
 
 /// A command in flight. Dropped before `finished` (the caller's timeout
@@ -377,9 +380,18 @@ pub fn target(
             service,
             tls,
         } => {
-            let addresses = sentinels
-                .iter()
-                .map(|(host, port)| ConnectionAddr::Tcp(host.clone(), *port));
+            let addresses = sentinels.iter().map(|(host, port)| {
+                if *tls {
+                    ConnectionAddr::TcpTls {
+                        host: host.clone(),
+                        port: *port,
+                        insecure: false,
+                        tls_params: None,
+                    }
+                } else {
+                    ConnectionAddr::Tcp(host.clone(), *port)
+                }
+            });
             let mut builder =
                 SentinelClientBuilder::new(addresses, service, SentinelServerType::Master)
                     .map_err(|e| refused(e.to_string()))?

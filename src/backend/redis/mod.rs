@@ -46,7 +46,7 @@ use redis::Script;
 use tokio::time::Instant;
 use tracing::warn;
 
-use self::connection::{Connection, Target};
+use self::connection::{Connection, Target, is_auth_error};
 use self::line::Line;
 use self::url::{Address, RedisUrl};
 use super::{
@@ -417,9 +417,16 @@ impl RedisStore {
                         self.conn.shown()
                     )));
                 }
+                Err(error) if is_auth_error(&error) => {
+                    return Err(Fatal::Refused(format!(
+                        "backend {}: the sentinels refused the password: {error}; give theirs with --sentinel-password or LEADERRUN_SENTINEL_PASSWORD (the URL's password is the Redis servers')",
+                        self.conn.shown()
+                    )));
+                }
                 Err(error) => {
                     return Ok(Some(Unreachable::Server(format!(
-                        "redis sentinels: {error}"
+                        "redis sentinels of {}: {error}",
+                        self.conn.shown()
                     ))));
                 }
             }
