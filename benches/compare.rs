@@ -15,6 +15,7 @@
 //! samples per measure (default 200); `LEADERRUN_BENCH_SCALE=0` skips the
 //! scale runs and `LEADERRUN_BENCH_ROWS=0` the side-by-side rows (a partial
 //! run prints its table but leaves `docs/benchmarks.md` alone);
+//! `LEADERRUN_BENCH_HA=0` the Sentinel and Cluster runs;
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
 //! handovers, for profiling. The children are `benches/stamp.c`, compiled here: a static C
 //! program that writes CLOCK_MONOTONIC (shared by every process on the host)
@@ -30,6 +31,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::postgres_server::PostgresServer;
+use common::redis_server::{Cluster, SentinelSet};
 
 const BIN: &str = env!("CARGO_BIN_EXE_leaderrun");
 /// Hold value for a child that runs until killed.
@@ -42,6 +44,7 @@ fn main() {
     let scale = env_number("LEADERRUN_BENCH_SCALE").unwrap_or(1) != 0;
     let rows = env_number("LEADERRUN_BENCH_ROWS").unwrap_or(1) != 0;
     let quick = env_number("LEADERRUN_BENCH_QUICK").unwrap_or(0) != 0;
+    let ha = env_number("LEADERRUN_BENCH_HA").unwrap_or(1) != 0;
     let dir = tempfile::Builder::new()
         .prefix("leaderrun-bench-")
         .tempdir()
@@ -111,8 +114,12 @@ fn main() {
         eprintln!("measuring scale");
         bench.scale(&mut out, redis.port);
     }
+    if ha {
+        eprintln!("measuring Sentinel and Cluster");
+        bench.ha(&mut out, samples.div_ceil(2));
+    }
     print!("{out}");
-    if rows && scale {
+    if rows && scale && ha {
         // The measured part goes between the markers; the history of earlier
         // runs around it is kept by hand.
         let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/benchmarks.md");
@@ -203,6 +210,262 @@ impl Bench {
         }
         rigs.into_iter().map(HandoverRig::finish).collect()
     }
+}
+
+impl Bench {
+    /// Redis as production runs it: cycle and handover through Sentinel and
+    /// Cluster next to one Redis (interleaved), and what a primary's death
+    /// does to a term: alone, and with the leader's host.
+    fn ha(&self, out: &mut String, samples: usize) {
+        let set = SentinelSet::start();
+        let cluster = Cluster::start();
+        // Past the hold-off of a server younger than the ttl.
+        set.primary().wait_uptime(None, TTL_SECS + 1);
+        for node in &cluster.nodes {
+            node.wait_uptime(None, TTL_SECS + 1);
+        }
+        let tools = [
+            Tool {
+                name: "leaderrun (redis)",
+                kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", self.redis_port)),
+            },
+            Tool {
+                name: "leaderrun (redis sentinel)",
+                kind: Kind::Leaderrun(set.url()),
+            },
+            Tool {
+                name: "leaderrun (redis cluster)",
+                kind: Kind::Leaderrun(cluster.url()),
+            },
+        ];
+        let cycles = self.interleaved_cycles(&tools, samples);
+        let handovers = self.interleaved_handovers(&tools, samples, 20);
+        drop((set, cluster));
+        let deaths = [
+            None,
+            Some(self.primary_death(true)),
+            Some(self.primary_death(false)),
+        ];
+        let _ = writeln!(
+            out,
+            "\n## Redis Sentinel and Cluster\n\nA primary and a replica behind three sentinels (down after 1 s), and three primaries with a replica each (node timeout 1 s), on loopback; {samples} interleaved samples; {TTL_SECS} s ttl.\n\n| backend | cycle p50 | cycle p99 | handover p50 | handover p99 | primary killed: the term went on (renewals every 500 ms) | else, the next term's command after, p50 | primary and the leader's host killed → follower's command, p50 |\n|---|---|---|---|---|---|---|---|"
+        );
+        for (((tool, cycle), handover), death) in
+            tools.iter().zip(&cycles).zip(&handovers).zip(deaths.iter())
+        {
+            let ms = |v: Option<f64>| v.map_or("n/m".into(), |ms| format!("{ms:.0} ms"));
+            let (kept, served, host) = match death {
+                Some(d) => (
+                    format!("{} of {}", d.kept, d.samples),
+                    ms(d.next_command),
+                    ms(d.host_death),
+                ),
+                None => ("n/a".into(), "n/a".into(), "n/a".into()),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {kept} | {served} | {host} |",
+                tool.name,
+                percentile(cycle, 50.0),
+                percentile(cycle, 99.0),
+                percentile(handover, 50.0),
+                percentile(handover, 99.0),
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\nPrimary killed: SIGKILL of the primary serving the lease while a leader and a follower run, with renewals every 500 ms (`--renew-every 500ms`: a renewal budget of 3.5 s; at the defaults it is a third of the ttl, 2 s, shorter than a failover here). The term goes on when the promoted replica has the lease and the leader's renewals reach it within the renewal budget; where the failover takes longer, the leader's command is stopped at the yield point, and the next term's command (on either replica) starts once the lease, found free on a server with another replication history, was held off one ttl. Primary and the leader's host: on another key, the primary, the leader's supervisor, its guard and its command killed at once (SIGKILL), as when one host running both dies; to the follower's command's start: the lease lapses (one ttl) and, found free on a server with another replication history, is held off one ttl more."
+        );
+    }
+
+    /// `ha`'s last columns for Sentinel or Cluster, 3 samples each, on
+    /// servers of their own.
+    fn primary_death(&self, sentinel: bool) -> Death {
+        let mut death = Death {
+            samples: 3,
+            kept: 0,
+            next_command: None,
+            host_death: None,
+        };
+        let (mut stopped, mut host) = (Vec::new(), Vec::new());
+        for i in 0..death.samples {
+            let key = format!("death-{i}");
+            let lease = format!("leaderrun:{{{key}}}:lease");
+            let mut set = sentinel.then(SentinelSet::start);
+            let mut cluster = (!sentinel).then(Cluster::start);
+            let url = match (&set, &cluster) {
+                (Some(s), _) => s.url(),
+                (_, Some(c)) => c.url(),
+                _ => unreachable!(),
+            };
+            let tool = Tool {
+                name: "ha",
+                kind: Kind::Leaderrun(url.clone()),
+            };
+            let stamps = self.dir.join(format!("{key}-{sentinel}.stamps"));
+            // Renewals every 500 ms: a budget of 3.5 s, past a failover here.
+            let patient = ["--renew-every", "500ms"];
+            let mut holder = self
+                .stamped_with(&tool, &key, &stamps, FOREVER, &patient)
+                .spawn()
+                .unwrap();
+            wait_for_lines(&stamps, 1, Duration::from_secs(30));
+            let mut follower = self
+                .stamped_with(&tool, &key, &stamps, 0, &patient)
+                .spawn()
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(1500));
+
+            // The primary alone: the term goes on if the failover ends
+            // within its renewal budget; else the next term starts once
+            // the hold-off after the failover passed.
+            let killed = monotonic_ns();
+            let old = match (&mut set, &mut cluster) {
+                (Some(s), _) => {
+                    let old = s.primary_port();
+                    s.servers.iter_mut().find(|n| n.port == old).unwrap().stop();
+                    old
+                }
+                (_, Some(c)) => c.stop_primary(&lease),
+                _ => unreachable!(),
+            };
+            let until = Instant::now() + Duration::from_secs(TTL_SECS * 3);
+            let mut next = None;
+            while next.is_none() && Instant::now() < until {
+                next = read_stamps(&stamps)
+                    .iter()
+                    .filter(|(k, t)| k == "start" && *t > killed)
+                    .map(|(_, t)| *t)
+                    .min();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            match next {
+                Some(started) => stopped.push((started - killed) as f64 / 1e6),
+                None if alive_descendant(holder.id()) => death.kept += 1,
+                None => {}
+            }
+            match (&mut set, &mut cluster) {
+                (Some(s), _) => s.restart_as_replica(old),
+                (_, Some(c)) => c.rejoin(old),
+                _ => unreachable!(),
+            }
+
+            let _ = holder.kill();
+            let _ = holder.wait();
+            kill_all(std::slice::from_mut(&mut follower));
+
+            // The new primary and the leader's host (its supervisor, guard
+            // and command) at once, on a key of its own.
+            let key = format!("host-{i}");
+            let lease = format!("leaderrun:{{{key}}}:lease");
+            let stamps = self.dir.join(format!("{key}-{sentinel}.stamps"));
+            let mut holder = self.stamped(&tool, &key, &stamps, FOREVER).spawn().unwrap();
+            wait_for_lines(&stamps, 1, Duration::from_secs(30));
+            let mut follower = self.stamped(&tool, &key, &stamps, 0).spawn().unwrap();
+            std::thread::sleep(Duration::from_millis(1500));
+            let killed = monotonic_ns();
+            let mut doomed = guards_of(&key);
+            doomed.extend(descendants(holder.id()));
+            doomed.push(holder.id());
+            for pid in doomed {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            match (&mut set, &mut cluster) {
+                (Some(s), _) => {
+                    let port = s.primary_port();
+                    s.servers
+                        .iter_mut()
+                        .find(|n| n.port == port)
+                        .unwrap()
+                        .stop();
+                }
+                (_, Some(c)) => {
+                    c.stop_primary(&lease);
+                }
+                _ => unreachable!(),
+            }
+            if wait_for_lines_within(&stamps, 2, Duration::from_secs(TTL_SECS * 6)) {
+                let started = read_stamps(&stamps)
+                    .iter()
+                    .filter(|(k, t)| k == "start" && *t > killed)
+                    .map(|(_, t)| *t)
+                    .min()
+                    .unwrap();
+                host.push((started - killed) as f64 / 1e6);
+            }
+            let _ = holder.kill();
+            let _ = holder.wait();
+            kill_all(std::slice::from_mut(&mut follower));
+        }
+        death.next_command = (!stopped.is_empty()).then(|| percentile(&stopped, 50.0));
+        death.host_death = (!host.is_empty()).then(|| percentile(&host, 50.0));
+        death
+    }
+}
+
+/// What a primary's death did to a term (`Bench::primary_death`).
+struct Death {
+    samples: usize,
+    /// Samples in which the leader's command ran on through the failover.
+    kept: usize,
+    /// Where the term ended: from the kill to the next term's command.
+    next_command: Option<f64>,
+    host_death: Option<f64>,
+}
+
+/// The guards of leaderrun processes for `key` (forks of leaderrun, in
+/// sessions of their own).
+fn guards_of(key: &str) -> Vec<u32> {
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "leaderrun-guard")
+                && fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                    cmdline.split(|b| *b == 0).any(|arg| arg == key.as_bytes())
+                })
+        })
+        .collect()
+}
+
+/// Every live process below `pid`.
+fn descendants(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|p| {
+            let stat = fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            let i = stat.rfind(')')?;
+            Some((p, stat[i + 2..].split_whitespace().nth(1)?.parse().ok()?))
+        })
+        .collect();
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// Whether the stamp child (the leader's command) runs below `pid`.
+fn alive_descendant(pid: u32) -> bool {
+    descendants(pid).into_iter().any(|p| {
+        alive(p) && fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "stamp")
+    })
 }
 
 fn env_number(name: &str) -> Option<usize> {
