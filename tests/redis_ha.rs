@@ -430,3 +430,37 @@ fn tls_through_the_sentinels_and_to_every_cluster_node() {
         assert!(status.stdout.contains("\"counter\":1"), "{}", status.stdout);
     }
 }
+
+/// The lease's slot moves to another primary during a term, key by key:
+/// the client follows ASK (and waits out TRYAGAIN) while it moves and MOVED
+/// after; the term goes on, and the counter moved with it.
+#[test]
+fn a_term_goes_on_while_its_slot_moves_to_another_primary() {
+    let cluster = Cluster::start();
+    let sandbox = Sandbox::new();
+    let lease = "leaderrun:{moving}:lease";
+    let mut leader = sandbox
+        .leaderrun_on(&cluster.url(), "moving")
+        .args(PATIENT)
+        .sh(RUNS)
+        .spawn();
+    assert!(
+        wait_until(LONG, || tokens(&sandbox).len() == 1),
+        "{}",
+        leader.stderr()
+    );
+    let from = cluster.primary_of(lease).port;
+    let to = *cluster.primaries().iter().find(|p| **p != from).unwrap();
+    // 700 ms between keys: renewals (every 500 ms) meet the slot half moved.
+    cluster.migrate_slot(lease, to, Duration::from_millis(700));
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(tokens(&sandbox), [1], "{}", leader.stderr());
+    assert!(alive(sandbox.wait_pid("pids")), "{}", leader.stderr());
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(0));
+    let out = sandbox
+        .leaderrun_on(&cluster.url(), "moving")
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "2"), "{}", out.stderr);
+}

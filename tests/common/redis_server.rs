@@ -808,3 +808,72 @@ impl Certificates {
         .collect()
     }
 }
+
+impl Cluster {
+    /// The node id of the node on `port`.
+    fn node_id(&self, port: u16) -> String {
+        let node = self.nodes.iter().find(|n| n.port == port).unwrap();
+        match node.command(None, &["CLUSTER", "MYID"]) {
+            Ok(redis::Value::BulkString(id)) => String::from_utf8(id).unwrap(),
+            other => panic!("CLUSTER MYID: {other:?}"),
+        }
+    }
+
+    /// Moves `key`'s slot to the primary on `to`, as `redis-cli --cluster
+    /// reshard` does, one key at a time with `between` after each, so
+    /// clients meet ASK and TRYAGAIN redirections meanwhile; then every
+    /// node learns the new owner (MOVED for those that ask the old one).
+    pub fn migrate_slot(&self, key: &str, to: u16, between: Duration) {
+        let from = self.primary_of(key);
+        let target = self.nodes.iter().find(|n| n.port == to).unwrap();
+        let slot = match from.command(None, &["CLUSTER", "KEYSLOT", key]) {
+            Ok(redis::Value::Int(slot)) => slot.to_string(),
+            other => panic!("CLUSTER KEYSLOT: {other:?}"),
+        };
+        let (from_id, to_id) = (self.node_id(from.port), self.node_id(to));
+        target
+            .command(None, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id])
+            .unwrap();
+        from.command(None, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id])
+            .unwrap();
+        loop {
+            let Ok(redis::Value::Array(keys)) =
+                from.command(None, &["CLUSTER", "GETKEYSINSLOT", &slot, "1"])
+            else {
+                panic!("CLUSTER GETKEYSINSLOT")
+            };
+            let Some(redis::Value::BulkString(name)) = keys.first() else {
+                break;
+            };
+            let name = String::from_utf8_lossy(name).into_owned();
+            let port = to.to_string();
+            from.command(
+                None,
+                &["MIGRATE", "127.0.0.1", &port, &name, "0", "5000", "REPLACE"],
+            )
+            .unwrap();
+            std::thread::sleep(between);
+        }
+        for node in [target, from] {
+            node.command(None, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.primary_port_of(key) != Some(to) {
+            assert!(Instant::now() < deadline, "the slot did not move");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The primaries, by port.
+    pub fn primaries(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| {
+                matches!(n.command(None, &["ROLE"]), Ok(redis::Value::Array(role))
+                    if matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master"))
+            })
+            .map(|n| n.port)
+            .collect()
+    }
+}
