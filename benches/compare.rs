@@ -65,6 +65,7 @@ fn main() {
         dir: dir.path().to_owned(),
         stamp,
         redis_port: redis.port,
+        etcd_port: etcd.as_ref().map(|e| e.port),
     };
     let mut tools = vec![
         Tool {
@@ -83,6 +84,10 @@ fn main() {
         });
     }
     if let Some(etcd) = &etcd {
+        tools.push(Tool {
+            name: "leaderrun (etcd)",
+            kind: Kind::Leaderrun(format!("etcd://127.0.0.1:{}", etcd.port)),
+        });
         tools.push(Tool {
             name: "etcdctl lock",
             kind: Kind::Etcdctl(format!("http://127.0.0.1:{}", etcd.port)),
@@ -177,7 +182,7 @@ impl Bench {
         }
         let _ = writeln!(
             out,
-            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). takeover after kill -9: `kill -9` of the tool's process that holds the lease (leaderrun's supervisor, etcdctl, flock; {TTL_SECS} s ttl for every tool), to the waiting replica's child's start; the killed process's child, if it outlives it, is left running. child after kill -9: whether it went on running. idle follower: a process waiting on a held lease, over 12 s after its first 1.5 s; backend requests: the calls it makes (Redis: commands it sends, scripts and BLPOP, counted by the server; files and PostgreSQL: lease operations (on PostgreSQL, one statement each), counted by leaderrun's `leaderrun_backend_calls_total`)."
+            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). takeover after kill -9: `kill -9` of the tool's process that holds the lease (leaderrun's supervisor, etcdctl, flock; {TTL_SECS} s ttl for every tool), to the waiting replica's child's start; the killed process's child, if it outlives it, is left running. child after kill -9: whether it went on running. idle follower: a process waiting on a held lease, over 12 s after its first 1.5 s; backend requests: the calls it makes (Redis: commands it sends, scripts and BLPOP, counted by the server; etcd: requests, a watch as one, counted by the server (`grpc_server_started_total`); files and PostgreSQL: lease operations (on PostgreSQL, one statement each), counted by leaderrun's `leaderrun_backend_calls_total`)."
         );
     }
 
@@ -226,7 +231,8 @@ impl Bench {
         }
         let tools = [
             Tool {
-                name: "leaderrun (redis)",
+                // Not "leaderrun (redis)": its handover files are the rows'.
+                name: "leaderrun (redis, one server)",
                 kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", self.redis_port)),
             },
             Tool {
@@ -274,7 +280,7 @@ impl Bench {
         }
         let _ = writeln!(
             out,
-            "\nPrimary killed: SIGKILL of the primary serving the lease while a leader and a follower run, with renewals every 500 ms (`--renew-every 500ms`: a renewal budget of 3.5 s; at the defaults it is a third of the ttl, 2 s, shorter than a failover here). The term goes on when the promoted replica has the lease and the leader's renewals reach it within the renewal budget; where the failover takes longer, the leader's command is stopped at the yield point, and the next term's command (on either replica) starts once the lease, found free on a server with another replication history, was held off one ttl. Primary and the leader's host: on another key, the primary, the leader's supervisor, its guard and its command killed at once (SIGKILL), as when one host running both dies; to the follower's command's start: the lease lapses (one ttl) and, found free on a server with another replication history, is held off one ttl more."
+            "\nPrimary killed: SIGKILL of the primary serving the lease while a leader and a follower run, with renewals every 500 ms (`--renew-every 500ms`: a renewal budget of 3.5 s; at the defaults it is 2 s, shorter than a failover here). The term goes on when the promoted replica has the lease and the leader's renewals reach it within the renewal budget; where the failover takes longer, the leader's command is stopped at the yield point, and the next term's command (on either replica) starts once the lease, found free on a server with another replication history, was held off one ttl. Primary and the leader's host: on another key, the primary, the leader's supervisor, its guard and its command killed at once (SIGKILL), as when one host running both dies; to the follower's command's start: the lease lapses (one ttl) and, found free on a server with another replication history, is held off one ttl more."
         );
     }
 
@@ -630,6 +636,7 @@ struct Bench {
     dir: PathBuf,
     stamp: PathBuf,
     redis_port: u16,
+    etcd_port: Option<u16>,
 }
 
 struct Failover {
@@ -765,9 +772,16 @@ impl Bench {
         wait_for_lines(&stamps, 1, Duration::from_secs(30));
         let window = Duration::from_secs(12);
         let redis = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("redis"));
+        let etcd = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("etcd"));
         // leaderrun counts its own calls on the other backends.
-        let file = matches!(&tool.kind, Kind::Leaderrun(url) if !url.starts_with("redis"));
-        let alone = redis.then(|| self.redis_requests_during(window));
+        let file = matches!(&tool.kind, Kind::Leaderrun(url) if !url.starts_with("redis") && !url.starts_with("etcd"));
+        let alone = if redis {
+            Some(self.redis_requests_during(window))
+        } else if etcd {
+            Some(self.etcd_requests_during(window))
+        } else {
+            None
+        };
         let metrics = free_port();
         let address = format!("127.0.0.1:{metrics}");
         let extra: &[&str] = if file {
@@ -785,6 +799,8 @@ impl Bench {
         let calls_before = file.then(|| backend_calls(metrics));
         let both = if redis {
             Some(self.redis_requests_during(window))
+        } else if etcd {
+            Some(self.etcd_requests_during(window))
         } else {
             std::thread::sleep(window);
             None
@@ -805,6 +821,16 @@ impl Bench {
         std::thread::sleep(window);
         // The INFO that reads the counts is one of them.
         (redis_client_commands(self.redis_port) - before - 1.0) / window.as_secs_f64()
+    }
+
+    /// Requests per second that clients start on etcd over `window`, as
+    /// etcd counts them (`grpc_server_started_total`: the JSON gateway's
+    /// requests become gRPC calls inside the server; a watch is one).
+    fn etcd_requests_during(&self, window: Duration) -> f64 {
+        let port = self.etcd_port.expect("etcd runs");
+        let before = etcd_started_calls(port);
+        std::thread::sleep(window);
+        (etcd_started_calls(port) - before) / window.as_secs_f64()
     }
 
     /// VmRSS (kB) of a tool process holding a lease, past a renewal.
@@ -1054,6 +1080,26 @@ fn redis_client_commands(port: u16) -> f64 {
                 .parse::<f64>()
                 .ok()
         })
+        .sum()
+}
+
+/// The calls etcd on `port` has started (`grpc_server_started_total`).
+fn etcd_started_calls(port: u16) -> f64 {
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return 0.0;
+    };
+    let request =
+        format!("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+    let mut reply = String::new();
+    if std::io::Write::write_all(&mut stream, request.as_bytes()).is_err()
+        || std::io::Read::read_to_string(&mut stream, &mut reply).is_err()
+    {
+        return 0.0;
+    }
+    reply
+        .lines()
+        .filter(|l| l.starts_with("grpc_server_started_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
 

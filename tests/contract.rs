@@ -8,6 +8,8 @@
 //!   "could not ask" is the server stopped (SIGSTOP);
 //! - postgres: a real PostgreSQL the harness initdb's and starts on a free
 //!   port; "could not ask" is every process of the server stopped (SIGSTOP);
+//! - etcd: a real one-member etcd the harness starts on free ports;
+//!   "could not ask" is the member stopped (SIGSTOP);
 //! - memory: the library's in-memory backend, switched off.
 
 mod common;
@@ -17,6 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::etcd_server::EtcdCluster;
 use common::postgres_server::PostgresServer;
 use common::redis_server::RedisServer;
 use leaderrun::backend::memory::MemoryBackend;
@@ -34,6 +37,10 @@ trait Harness {
     /// Calls cannot reach the backend until `reachable`.
     fn unreachable(&mut self);
     fn reachable(&mut self);
+    /// How long after a lease's ttl the backend lets it go.
+    fn lapse_slack(&self) -> Duration {
+        Duration::from_millis(200)
+    }
 }
 
 struct Memory(MemoryBackend);
@@ -113,6 +120,28 @@ impl Harness for Postgres {
     fn reachable(&mut self) {
         self.0.resume();
     }
+}
+
+struct Etcd(EtcdCluster);
+
+impl Harness for Etcd {
+    fn backend(&self) -> Arc<dyn Backend> {
+        leaderrun::backend::parse(Some(&self.0.url()), &BackendOptions::default()).unwrap()
+    }
+    fn unreachable(&mut self) {
+        self.0.members[0].pause();
+    }
+    fn reachable(&mut self) {
+        self.0.members[0].resume();
+    }
+    fn lapse_slack(&self) -> Duration {
+        // etcd's lessor looks for expired leases every 500 ms.
+        Duration::from_millis(900)
+    }
+}
+
+fn etcd() -> Etcd {
+    Etcd(EtcdCluster::start(1))
 }
 
 fn memory() -> Memory {
@@ -247,7 +276,7 @@ fn a_renewal_after_loss_is_lost(harness: &mut dyn Harness) {
         let b = replica(harness, "loss", "b");
         let token = acquired(a.acquire(1).await);
         // a stops renewing; its lease lapses and b takes it.
-        tokio::time::sleep(TTL + Duration::from_millis(200)).await;
+        tokio::time::sleep(TTL + harness.lapse_slack()).await;
         let theirs = acquired(b.acquire(1).await);
         assert!(theirs > token);
         match a.renew(token).await {
@@ -395,3 +424,4 @@ contract!(memory);
 contract!(files);
 contract!(redis);
 contract!(postgres);
+contract!(etcd);

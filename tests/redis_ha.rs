@@ -29,6 +29,28 @@ fn tokens(sandbox: &Sandbox) -> Vec<u64> {
         .collect()
 }
 
+/// A leader running `RUNS` (with `PATIENT` timing if `patient`, and
+/// `options`), once its first term's command started.
+fn first_term(
+    sandbox: &Sandbox,
+    url: &str,
+    key: &str,
+    patient: bool,
+    options: &[&str],
+) -> common::Replica {
+    let mut run = sandbox.leaderrun_on(url, key);
+    if patient {
+        run.args(PATIENT);
+    }
+    let leader = run.args(options).sh(RUNS).spawn();
+    assert!(
+        wait_until(LONG, || tokens(sandbox).len() == 1),
+        "{}",
+        leader.stderr()
+    );
+    leader
+}
+
 /// Waits until `n` terms started, each after the last one's command died.
 fn wait_terms(sandbox: &Sandbox, n: usize, leader: &common::Replica) {
     assert!(
@@ -84,16 +106,12 @@ fn a_term_goes_on_through_a_sentinel_failover_it_asked_for() {
     let set = SentinelSet::start();
     let sandbox = Sandbox::new();
     let metrics = free_port();
-    let mut leader = sandbox
-        .leaderrun_on(&set.url(), "ha")
-        .args(PATIENT)
-        .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
-        .sh(RUNS)
-        .spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
+    let mut leader = first_term(
+        &sandbox,
+        &set.url(),
+        "ha",
+        true,
+        &["--metrics-addr", &format!("127.0.0.1:{metrics}")],
     );
     set.failover();
     // Renewals go to the new primary, which has the lease: the same term.
@@ -116,12 +134,7 @@ fn a_killed_or_stopped_primary_ends_the_term_and_the_next_starts_on_the_new_one(
     for signal in [Signal::SIGKILL, Signal::SIGSTOP] {
         let mut set = SentinelSet::start();
         let sandbox = Sandbox::new();
-        let leader = sandbox.leaderrun_on(&set.url(), "down").sh(RUNS).spawn();
-        assert!(
-            wait_until(LONG, || tokens(&sandbox).len() == 1),
-            "{}",
-            leader.stderr()
-        );
+        let leader = first_term(&sandbox, &set.url(), "down", false, &[]);
         let old = set.primary_port();
         let primary = set.servers.iter_mut().find(|s| s.port == old).unwrap();
         if signal == Signal::SIGKILL {
@@ -203,16 +216,12 @@ fn a_cluster_runs_each_lease_on_its_slot_and_follows_failovers() {
     }
 
     let metrics = free_port();
-    let mut leader = sandbox
-        .leaderrun_on(&cluster.url(), "ha")
-        .args(PATIENT)
-        .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
-        .sh(RUNS)
-        .spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
+    let mut leader = first_term(
+        &sandbox,
+        &cluster.url(),
+        "ha",
+        true,
+        &["--metrics-addr", &format!("127.0.0.1:{metrics}")],
     );
     // A failover asked for: the replica takes over with the lease.
     cluster.failover("leaderrun:{ha}:lease");
@@ -227,15 +236,7 @@ fn a_cluster_runs_each_lease_on_its_slot_and_follows_failovers() {
 fn a_killed_cluster_primary_hands_the_slot_to_its_replica_and_tokens_grow() {
     let mut cluster = Cluster::start();
     let sandbox = Sandbox::new();
-    let leader = sandbox
-        .leaderrun_on(&cluster.url(), "down")
-        .sh(RUNS)
-        .spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
-    );
+    let leader = first_term(&sandbox, &cluster.url(), "down", false, &[]);
     cluster.kill_primary("leaderrun:{down}:lease");
     wait_terms(&sandbox, 2, &leader);
     for pid in sandbox.lines("pids") {
@@ -336,16 +337,7 @@ fn a_promoted_replica_that_missed_the_lease_hands_it_out_only_after_one_ttl() {
     let set = SentinelSet::start();
     let sandbox = Sandbox::new();
     let key = "missed";
-    let leader = sandbox
-        .leaderrun_on(&set.url(), key)
-        .args(PATIENT)
-        .sh(RUNS)
-        .spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
-    );
+    let leader = first_term(&sandbox, &set.url(), key, true, &[]);
     let follower = sandbox
         .leaderrun_on(&set.url(), key)
         .args(PATIENT)
@@ -439,16 +431,7 @@ fn a_term_goes_on_while_its_slot_moves_to_another_primary() {
     let cluster = Cluster::start();
     let sandbox = Sandbox::new();
     let lease = "leaderrun:{moving}:lease";
-    let mut leader = sandbox
-        .leaderrun_on(&cluster.url(), "moving")
-        .args(PATIENT)
-        .sh(RUNS)
-        .spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
-    );
+    let mut leader = first_term(&sandbox, &cluster.url(), "moving", true, &[]);
     let from = cluster.primary_of(lease).port;
     let to = *cluster.primaries().iter().find(|p| **p != from).unwrap();
     // 700 ms between keys: renewals (every 500 ms) meet the slot half moved.

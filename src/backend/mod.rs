@@ -14,11 +14,13 @@
 mod bounded;
 mod counted;
 mod error;
+pub mod etcd;
 pub mod file;
 pub mod memory;
 pub mod postgres;
 pub mod redis;
 mod registry;
+mod tls;
 pub mod url;
 
 use std::fmt;

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::{Backend, file, postgres, redis};
+use super::{Backend, etcd, file, postgres, redis};
 use crate::error::ConfigError;
 
 /// Options given beside the URL, for the backends that take them.
@@ -34,6 +34,11 @@ const BACKENDS: &[(&[&str], &str, Parse)] = &[
         ],
         "redis://[user[:password]@]host[:port][/db], rediss://…, redis+unix:///path, redis+sentinel://host:port[,…]/SERVICE[/db] or redis+cluster://host:port[,…]",
         redis::parse,
+    ),
+    (
+        &["etcd", "etcds"],
+        "etcd://[user[:password]@]host[:port][,host[:port]…][/prefix], etcds://…",
+        etcd::parse,
     ),
     (
         &["postgres", "postgresql"],

@@ -2,7 +2,134 @@
 //! parsing and percent-decoding; this module only makes sure no password
 //! reaches a message, also from a URL that did not parse.
 
+use std::fmt;
+
+use percent_encoding::percent_decode_str;
 use url::Url;
+
+use crate::error::ConfigError;
+
+/// A password: never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(text: String) -> Secret {
+        Secret(text)
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// The user and password of a URL, percent-decoded.
+pub fn credentials(url: &Url) -> Result<(Option<String>, Option<Secret>), String> {
+    let decode = |text: &str, what: &str| {
+        percent_decode_str(text)
+            .decode_utf8()
+            .map(|t| t.into_owned())
+            .map_err(|_| format!("the {what} is not valid UTF-8 once percent-decoded"))
+    };
+    let username = Some(decode(url.username(), "user")?).filter(|u| !u.is_empty());
+    let password = url
+        .password()
+        .map(|p| decode(p, "password"))
+        .transpose()?
+        .map(Secret);
+    Ok((username, password))
+}
+
+/// A '#' in a URL cuts it short: refused, with the fix.
+pub fn no_fragment(url: &Url) -> Result<(), String> {
+    match url.fragment() {
+        Some(_) => Err("a '#' ends the URL early; percent-encode it as %23 in a password".into()),
+        None => Ok(()),
+    }
+}
+
+/// A URL naming several hosts, `scheme://[userinfo@]host[:port][,host[:port]…][/path][?query]`,
+/// cut at the commas: the `url` crate parses it with the first host (for
+/// the user-info, path and query) and each host on its own.
+pub struct HostList {
+    /// The URL with the first host standing in for all of them.
+    pub url: Url,
+    /// Every host, with `default_port` where none is given.
+    pub hosts: Vec<(String, u16)>,
+    /// The URL as given, with the password masked: for every message.
+    pub shown: String,
+}
+
+impl HostList {
+    /// `form` is the grammar, for the message of a URL that does not parse.
+    pub fn parse(raw: &str, default_port: u16, form: &str) -> Result<HostList, ConfigError> {
+        let (scheme, rest) = raw.split_once("://").unwrap_or_default();
+        let scheme = scheme.to_ascii_lowercase();
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
+            None => (String::new(), authority),
+        };
+        let hosts: Vec<&str> = hosts.split(',').collect();
+        let url = Url::parse(&format!("{scheme}://{userinfo}{}{tail}", hosts[0])).map_err(|e| {
+            ConfigError::BackendUrl {
+                url: redact(raw),
+                why: format!(
+                    "{e}; a {scheme} URL is {form}, with '/', '@' and ':' in a user or password percent-encoded"
+                ),
+            }
+        })?;
+        let shown_userinfo = match (url.username(), url.password()) {
+            (user, Some(_)) => format!("{user}:***@"),
+            ("", None) => String::new(),
+            (user, None) => format!("{user}@"),
+        };
+        let shown = format!("{scheme}://{shown_userinfo}{}{tail}", hosts.join(","));
+        let refused = |why: String| ConfigError::BackendUrl {
+            url: shown.clone(),
+            why,
+        };
+        no_fragment(&url).map_err(&refused)?;
+        let mut addresses = Vec::new();
+        for host in &hosts {
+            let one = Url::parse(&format!("{scheme}://{host}"))
+                .ok()
+                .filter(|u| u.username().is_empty() && matches!(u.path(), "" | "/"))
+                .and_then(|u| {
+                    let name = match u.host()? {
+                        url::Host::Ipv6(ip) => ip.to_string(),
+                        host => host.to_string(),
+                    };
+                    (!name.is_empty()).then(|| (name, u.port().unwrap_or(default_port)))
+                });
+            match one {
+                Some((_, 0)) => return Err(refused(format!("{host:?}: port 0 is not a port"))),
+                Some(address) => addresses.push(address),
+                None => return Err(refused(format!("{host:?} is not a host[:port]"))),
+            }
+        }
+        Ok(HostList {
+            url,
+            hosts: addresses,
+            shown,
+        })
+    }
+
+    /// A refusal of this URL, for `why`.
+    pub fn refused(&self, why: String) -> ConfigError {
+        ConfigError::BackendUrl {
+            url: self.shown.clone(),
+            why,
+        }
+    }
+}
 
 /// A parsed URL for messages: the password, if any, replaced by `***`.
 pub fn masked(url: &Url) -> String {

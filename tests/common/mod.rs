@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod etcd_server;
 pub mod postgres_server;
 pub mod proxy;
 pub mod redis_server;
@@ -489,4 +490,69 @@ pub fn ensure_dead(pid: Pid) {
     if alive(pid) {
         let _ = kill(pid, Signal::SIGKILL);
     }
+}
+
+/// A CA made for one test (`ca.pem`, `ca.key`) and a certificate it signed
+/// for `localhost` and 127.0.0.1 (`server.pem`, `server.key`), in `dir`.
+pub fn make_certificates(dir: &Path) {
+    let openssl = |args: &[&str]| {
+        let ok = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("openssl")
+            .success();
+        assert!(ok, "openssl {args:?}");
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=leaderrun test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    ]);
+    std::fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+    ]);
 }

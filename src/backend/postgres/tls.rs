@@ -9,7 +9,6 @@ use std::sync::Arc;
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::WebPkiSupportedAlgorithms;
-use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, Error, RootCertStore, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -69,27 +68,10 @@ fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, String> {
     let default = std::env::var_os("HOME")
         .map(|home| PathBuf::from(home).join(".postgresql/root.crt"))
         .filter(|path| path.is_file());
-    let Some(file) = ca_file.map(Path::to_path_buf).or(default) else {
-        return Ok(RootCertStore {
-            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-        });
-    };
-    let mut roots = RootCertStore::empty();
-    let certs = CertificateDer::pem_file_iter(&file)
-        .map_err(|e| format!("cannot read the CA file {}: {e}", file.display()))?;
-    for cert in certs {
-        let cert = cert.map_err(|e| format!("the CA file {}: {e}", file.display()))?;
-        roots
-            .add(cert)
-            .map_err(|e| format!("the CA file {}: {e}", file.display()))?;
+    match ca_file.map(Path::to_path_buf).or(default) {
+        Some(file) => crate::backend::tls::roots_from(&file),
+        None => Ok(crate::backend::tls::public_roots()),
     }
-    if roots.is_empty() {
-        return Err(format!(
-            "the CA file {} holds no certificate",
-            file.display()
-        ));
-    }
-    Ok(roots)
 }
 
 /// `verify-ca` and `verify-full`: the public-key infrastructure's verdict,

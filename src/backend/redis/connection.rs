@@ -307,6 +307,20 @@ impl Connection {
     }
 }
 
+/// A TCP address, with TLS (the certificate verified) or without.
+fn tcp_address(host: &str, port: u16, tls: bool) -> ConnectionAddr {
+    if tls {
+        ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: false,
+            tls_params: None,
+        }
+    } else {
+        ConnectionAddr::Tcp(host.to_owned(), port)
+    }
+}
+
 /// Whether the server (or a sentinel) refused the credentials.
 pub fn is_auth_error(error: &RedisError) -> bool {
     error.kind() == redis::ErrorKind::AuthenticationFailed
@@ -380,18 +394,9 @@ pub fn target(
             service,
             tls,
         } => {
-            let addresses = sentinels.iter().map(|(host, port)| {
-                if *tls {
-                    ConnectionAddr::TcpTls {
-                        host: host.clone(),
-                        port: *port,
-                        insecure: false,
-                        tls_params: None,
-                    }
-                } else {
-                    ConnectionAddr::Tcp(host.clone(), *port)
-                }
-            });
+            let addresses = sentinels
+                .iter()
+                .map(|(host, port)| tcp_address(host, *port, *tls));
             let mut builder =
                 SentinelClientBuilder::new(addresses, service, SentinelServerType::Master)
                     .map_err(|e| refused(e.to_string()))?
@@ -448,17 +453,7 @@ pub fn target(
             Ok(Target::Cluster(client))
         }
         Address::Tcp { host, port, tls } => {
-            let address = if *tls {
-                ConnectionAddr::TcpTls {
-                    host: host.clone(),
-                    port: *port,
-                    insecure: false,
-                    tls_params: None,
-                }
-            } else {
-                ConnectionAddr::Tcp(host.clone(), *port)
-            };
-            server(url, address, certificates).map_err(refused)
+            server(url, tcp_address(host, *port, *tls), certificates).map_err(refused)
         }
         Address::Unix { path } => {
             server(url, ConnectionAddr::Unix(path.clone()), None).map_err(refused)

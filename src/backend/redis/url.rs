@@ -21,27 +21,11 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use percent_encoding::percent_decode_str;
 use url::Url;
 
-use crate::backend::url::{masked, redact};
+pub use crate::backend::url::Secret;
+use crate::backend::url::{HostList, credentials, masked, no_fragment, redact};
 use crate::error::ConfigError;
-
-/// A password: never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("***")
-    }
-}
 
 /// A parsed Redis URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,11 +105,7 @@ impl RedisUrl {
             url: shown.clone(),
             why,
         };
-        if url.fragment().is_some() {
-            return Err(refused(
-                "a '#' ends the URL early; percent-encode it as %23 in a password".into(),
-            ));
-        }
+        no_fragment(&url).map_err(&refused)?;
         let (mut username, mut password) = credentials(&url).map_err(&refused)?;
         let mut db = 0;
         let mut wait_replicas = 0;
@@ -140,7 +120,7 @@ impl RedisUrl {
                 match &*name {
                     "db" => db = parse_db(&value).map_err(&refused)?,
                     "user" => username = Some(value.into_owned()).filter(|u| !u.is_empty()),
-                    "password" => password = Some(Secret(value.into_owned())),
+                    "password" => password = Some(Secret::new(value.into_owned())),
                     other => {
                         return Err(refused(format!(
                             "unknown query parameter {other:?}: a redis+unix URL takes db, user and password"
@@ -190,63 +170,21 @@ impl RedisUrl {
 
     /// A Sentinel or Cluster URL: several hosts, cut at the commas.
     fn parse_many(raw: &str) -> Result<RedisUrl, ConfigError> {
-        let (scheme, rest) = raw.split_once("://").unwrap_or_default();
-        let scheme = scheme.to_ascii_lowercase();
+        let scheme = raw
+            .split_once("://")
+            .unwrap_or_default()
+            .0
+            .to_ascii_lowercase();
         let sentinel = scheme.ends_with("sentinel");
-        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-        let (authority, tail) = rest.split_at(end);
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
-            None => (String::new(), authority),
-        };
-        let hosts: Vec<&str> = hosts.split(',').collect();
-        // The first host stands in for all of them in the URL the `url`
-        // crate parses.
-        let url = Url::parse(&format!("redis://{userinfo}{}{tail}", hosts[0])).map_err(|e| {
-            ConfigError::BackendUrl {
-                url: redact(raw),
-                why: format!(
-                    "{e}; a {scheme} URL is {scheme}://[user[:password]@]host[:port][,host[:port]…]{}, with '/', '@' and ':' in a user or password percent-encoded",
-                    if sentinel { "/SERVICE[/db]" } else { "" }
-                ),
-            }
-        })?;
-        let shown_userinfo = match (url.username(), url.password()) {
-            (user, Some(_)) => format!("{user}:***@"),
-            ("", None) => String::new(),
-            (user, None) => format!("{user}@"),
-        };
-        let shown = format!("{scheme}://{shown_userinfo}{}{tail}", hosts.join(","));
-        let refused = |why: String| ConfigError::BackendUrl {
-            url: shown.clone(),
-            why,
-        };
-        if url.fragment().is_some() {
-            return Err(refused(
-                "a '#' ends the URL early; percent-encode it as %23 in a password".into(),
-            ));
-        }
-        let default_port = if sentinel { 26379 } else { 6379 };
-        let mut addresses = Vec::new();
-        for host in &hosts {
-            let one = Url::parse(&format!("redis://{host}"))
-                .ok()
-                .filter(|u| u.username().is_empty() && matches!(u.path(), "" | "/"))
-                .and_then(|u| {
-                    let name = match u.host()? {
-                        url::Host::Ipv6(ip) => ip.to_string(),
-                        host => host.to_string(),
-                    };
-                    (!name.is_empty()).then(|| (name, u.port().unwrap_or(default_port)))
-                });
-            match one {
-                Some((_, 0)) => return Err(refused(format!("{host:?}: port 0 is not a port"))),
-                Some(address) => addresses.push(address),
-                None => return Err(refused(format!("{host:?} is not a host[:port]"))),
-            }
-        }
-        let (username, password) = credentials(&url).map_err(&refused)?;
-        let wait_replicas = parse_wait(&url).map_err(&refused)?;
+        let form = format!(
+            "{scheme}://[user[:password]@]host[:port][,host[:port]…]{}",
+            if sentinel { "/SERVICE[/db]" } else { "" }
+        );
+        let list = HostList::parse(raw, if sentinel { 26379 } else { 6379 }, &form)?;
+        let refused = |why: String| list.refused(why);
+        let (url, addresses, shown) = (&list.url, list.hosts.clone(), list.shown.clone());
+        let (username, password) = credentials(url).map_err(&refused)?;
+        let wait_replicas = parse_wait(url).map_err(&refused)?;
         let tls = scheme.starts_with("rediss");
         let path: Vec<&str> = url.path().trim_start_matches('/').split('/').collect();
         let (address, db) = if sentinel {
@@ -287,23 +225,6 @@ impl RedisUrl {
             shown,
         })
     }
-}
-
-/// The user and password of a URL, percent-decoded.
-fn credentials(url: &Url) -> Result<(Option<String>, Option<Secret>), String> {
-    let decode = |text: &str, what: &str| {
-        percent_decode_str(text)
-            .decode_utf8()
-            .map(|t| t.into_owned())
-            .map_err(|_| format!("the {what} is not valid UTF-8 once percent-decoded"))
-    };
-    let username = Some(decode(url.username(), "user")?).filter(|u| !u.is_empty());
-    let password = url
-        .password()
-        .map(|p| decode(p, "password"))
-        .transpose()?
-        .map(Secret);
-    Ok((username, password))
 }
 
 /// `?wait=N`, the only query parameter of a TCP URL.

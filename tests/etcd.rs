@@ -1,0 +1,249 @@
+//! The etcd backend against real etcd members on loopback: one for the
+//! basics and auth, three for failures of the etcd leader and of quorum.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::etcd_server::EtcdCluster;
+use common::{Sandbox, alive, wait_until};
+use nix::sys::signal::Signal;
+
+const LONG: Duration = Duration::from_secs(30);
+
+/// Records its token and pid, and runs until stopped.
+const RUNS: &str = "echo $$ >> pids; echo $LEADERRUN_TOKEN >> tokens; trap 'exit 0' TERM; while :; do sleep 0.02; done";
+
+fn tokens(sandbox: &Sandbox) -> Vec<u64> {
+    sandbox
+        .lines("tokens")
+        .iter()
+        .map(|t| t.parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_term_a_handover_and_status_on_one_member() {
+    let etcd = EtcdCluster::start(1);
+    let sandbox = Sandbox::new();
+    let out = sandbox
+        .leaderrun_on(&etcd.url(), "basic")
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+    // A release wakes the follower: its command starts at once, not at
+    // its next attempt (10 s away).
+    let (took, token) = sandbox.graceful_handover(&etcd.url(), "handover");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert_eq!(token, "2");
+    let mut leader = sandbox.leaderrun_on(&etcd.url(), "status").sh(RUNS).spawn();
+    assert!(
+        wait_until(LONG, || tokens(&sandbox).len() == 1),
+        "{}",
+        leader.stderr()
+    );
+    let status = common::Run::new(&sandbox.path(""))
+        .args([
+            "status",
+            "--backend",
+            &etcd.url(),
+            "--key",
+            "status",
+            "--json",
+        ])
+        .run();
+    assert_eq!(status.code, 0, "{}", status.stderr);
+    let json: serde_json::Value = serde_json::from_str(&status.stdout).unwrap();
+    assert_eq!(json["token"], 1, "{json}");
+    assert_eq!(json["candidates"].as_array().unwrap().len(), 1, "{json}");
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(0));
+    let status = common::Run::new(&sandbox.path(""))
+        .args(["status", "--backend", &etcd.url(), "--key", "status"])
+        .run();
+    assert_eq!(
+        status.code, 3,
+        "free after a graceful stop: {}",
+        status.stdout
+    );
+}
+
+#[test]
+fn users_and_passwords_are_etcds_and_never_leak() {
+    let etcd = EtcdCluster::start(1);
+    for args in [
+        &["user", "add", "root:r00t-pw"][..],
+        &["user", "grant-role", "root", "root"],
+        &["user", "add", "app:app-s3cret"],
+        &["role", "add", "leaderrun"],
+        &[
+            "role",
+            "grant-permission",
+            "leaderrun",
+            "--prefix=true",
+            "readwrite",
+            "leaderrun/",
+        ],
+        &["user", "grant-role", "app", "leaderrun"],
+        &["auth", "enable"],
+    ] {
+        let out = etcd.etcdctl(args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let sandbox = Sandbox::new();
+    let url = etcd.url().replace("etcd://", "etcd://app:app-s3cret@");
+    let out = sandbox
+        .leaderrun_on(&url, "auth")
+        .sh("env > env.txt; echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+    assert!(!sandbox.read("env.txt").contains("app-s3cret"));
+    for wrong in ["etcd://app:nope@", "etcd://"] {
+        let url = etcd.url().replace("etcd://", wrong);
+        let out = sandbox.leaderrun_on(&url, "auth").sh("touch ran").run();
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        assert!(!out.stderr.contains("nope"), "{}", out.stderr);
+        assert!(!sandbox.path("ran").exists());
+    }
+}
+
+/// Three members: the etcd leader killed (SIGKILL) and stopped (SIGSTOP)
+/// during a term; two members keep quorum, the term goes on, and tokens
+/// keep growing after.
+#[test]
+fn a_term_survives_the_etcd_leader_killed_or_stopped() {
+    let mut etcd = EtcdCluster::start(3);
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun_on(&etcd.url(), "survive")
+        .sh(RUNS)
+        .spawn();
+    assert!(
+        wait_until(LONG, || tokens(&sandbox).len() == 1),
+        "{}",
+        leader.stderr()
+    );
+    let first = etcd.leader();
+    etcd.members[first].stop();
+    std::thread::sleep(Duration::from_secs(3));
+    etcd.members[first].start();
+    etcd.wait_healthy();
+    let second = etcd.leader();
+    etcd.members[second].pause();
+    std::thread::sleep(Duration::from_secs(3));
+    etcd.members[second].resume();
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(tokens(&sandbox), [1], "{}", leader.stderr());
+    assert!(alive(sandbox.wait_pid("pids")), "{}", leader.stderr());
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(0));
+    let out = sandbox
+        .leaderrun_on(&etcd.url(), "survive")
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "2"), "{}", out.stderr);
+}
+
+/// Quorum lost (two of three members stopped): the leader's command is told
+/// and gone before its deadline; nobody else leads meanwhile.
+#[test]
+fn a_lost_quorum_stops_the_command_before_the_lease_could_lapse() {
+    let mut etcd = EtcdCluster::start(3);
+    let sandbox = Sandbox::new();
+    let leader = sandbox.leaderrun_on(&etcd.url(), "quorum").sh(RUNS).spawn();
+    assert!(
+        wait_until(LONG, || tokens(&sandbox).len() == 1),
+        "{}",
+        leader.stderr()
+    );
+    let follower = sandbox.leaderrun_on(&etcd.url(), "quorum").sh(RUNS).spawn();
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = sandbox.wait_pid("pids");
+    let lost = Instant::now();
+    etcd.members[1].stop();
+    etcd.members[2].stop();
+    // The FAST ttl is 2 s: the command is dead by then.
+    assert!(
+        wait_until(Duration::from_secs(2), || !alive(pid)),
+        "{}",
+        leader.stderr()
+    );
+    assert!(lost.elapsed() < Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(tokens(&sandbox), [1], "nobody led without quorum");
+    etcd.members[1].start();
+    etcd.members[2].start();
+    etcd.wait_healthy();
+    assert!(
+        wait_until(LONG, || tokens(&sandbox).len() == 2),
+        "{}\n{}",
+        leader.stderr(),
+        follower.stderr()
+    );
+    let tokens = tokens(&sandbox);
+    assert!(tokens[1] > tokens[0], "{tokens:?}");
+}
+
+/// 100 followers of one key, each with its own watch: a release wakes
+/// exactly one of them, not all.
+#[test]
+fn a_hundred_followers_do_not_stampede() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use leaderrun::backend::{Attempt, BackendOptions, Identity, LeaseConfig, LeaseStore};
+
+    let etcd = EtcdCluster::start(1);
+    let backend = leaderrun::backend::parse(Some(&etcd.url()), &BackendOptions::default()).unwrap();
+    let store = |owner: &str| -> Arc<dyn LeaseStore> {
+        backend
+            .lease(LeaseConfig {
+                key: "crowd".into(),
+                me: Identity::new(owner),
+                ttl: Duration::from_secs(30),
+                call_timeout: Duration::from_secs(5),
+            })
+            .unwrap()
+    };
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let leader = store("leader");
+            let Ok(Attempt::Acquired { token }) = leader.acquire(1).await else {
+                panic!("not acquired");
+            };
+            let wakes = Arc::new(AtomicUsize::new(0));
+            let mut followers = Vec::new();
+            let mut tasks = Vec::new();
+            for i in 0..100 {
+                let (follower, wakes) = (store(&format!("f{i}")), wakes.clone());
+                followers.push(follower.clone());
+                tasks.push(tokio::spawn(async move {
+                    loop {
+                        follower.notice().await;
+                        wakes.fetch_add(1, Ordering::SeqCst);
+                    }
+                }));
+            }
+            // Every follower has its place and its watch.
+            let placed = Instant::now();
+            while !followers.iter().all(|f| f.wakes_on_release()) {
+                assert!(placed.elapsed() < LONG, "not every follower is watching");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            wakes.store(0, Ordering::SeqCst);
+            assert!(leader.release(token).await.unwrap());
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            assert_eq!(wakes.load(Ordering::SeqCst), 1, "followers woken");
+            for task in tasks {
+                task.abort();
+            }
+        });
+}
