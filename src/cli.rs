@@ -57,9 +57,27 @@ pub struct LeaseArgs {
     )]
     pub backend: Option<String>,
 
-    /// PEM file of the CA that signed a rediss:// or postgres:// server's certificate (for private CAs).
+    /// PEM file of the CA that signed a rediss://, etcds:// or postgres:// server's certificate (for private CAs).
     #[arg(long, env = "LEADERRUN_TLS_CA_FILE", value_name = "PATH")]
     pub tls_ca_file: Option<std::path::PathBuf>,
+
+    /// PEM file of a client certificate to show an etcds:// server (with --tls-key-file).
+    #[arg(
+        long,
+        env = "LEADERRUN_TLS_CERT_FILE",
+        value_name = "PATH",
+        requires = "tls_key_file"
+    )]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+
+    /// PEM file of the client certificate's private key (with --tls-cert-file).
+    #[arg(
+        long,
+        env = "LEADERRUN_TLS_KEY_FILE",
+        value_name = "PATH",
+        requires = "tls_cert_file"
+    )]
+    pub tls_key_file: Option<std::path::PathBuf>,
 
     /// The Redis sentinels' own password (redis+sentinel://); prefer the environment variable.
     #[arg(

@@ -95,6 +95,7 @@ impl Spec {
 pub fn parse_backend(args: &LeaseArgs) -> Result<Arc<dyn Backend>, ConfigError> {
     let options = BackendOptions {
         tls_ca_file: args.tls_ca_file.clone(),
+        tls_client: args.tls_cert_file.clone().zip(args.tls_key_file.clone()),
         sentinel_password: args.sentinel_password.clone(),
     };
     backend::parse(args.backend.as_deref(), &options)

@@ -6,21 +6,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::etcd_server::EtcdCluster;
-use common::{Sandbox, alive, wait_until};
+use common::{RUNS, Sandbox, alive, first_term, tokens, wait_until};
 use nix::sys::signal::Signal;
 
 const LONG: Duration = Duration::from_secs(30);
-
-/// Records its token and pid, and runs until stopped.
-const RUNS: &str = "echo $$ >> pids; echo $LEADERRUN_TOKEN >> tokens; trap 'exit 0' TERM; while :; do sleep 0.02; done";
-
-fn tokens(sandbox: &Sandbox) -> Vec<u64> {
-    sandbox
-        .lines("tokens")
-        .iter()
-        .map(|t| t.parse().unwrap())
-        .collect()
-}
 
 #[test]
 fn a_term_a_handover_and_status_on_one_member() {
@@ -36,12 +25,7 @@ fn a_term_a_handover_and_status_on_one_member() {
     let (took, token) = sandbox.graceful_handover(&etcd.url(), "handover");
     assert!(took < Duration::from_secs(2), "{took:?}");
     assert_eq!(token, "2");
-    let mut leader = sandbox.leaderrun_on(&etcd.url(), "status").sh(RUNS).spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
-    );
+    let mut leader = first_term(&sandbox, &etcd.url(), "status", &[]);
     let status = common::Run::new(&sandbox.path(""))
         .args([
             "status",
@@ -118,15 +102,7 @@ fn users_and_passwords_are_etcds_and_never_leak() {
 fn a_term_survives_the_etcd_leader_killed_or_stopped() {
     let mut etcd = EtcdCluster::start(3);
     let sandbox = Sandbox::new();
-    let mut leader = sandbox
-        .leaderrun_on(&etcd.url(), "survive")
-        .sh(RUNS)
-        .spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
-    );
+    let mut leader = first_term(&sandbox, &etcd.url(), "survive", &[]);
     let first = etcd.leader();
     etcd.members[first].stop();
     std::thread::sleep(Duration::from_secs(3));
@@ -154,12 +130,7 @@ fn a_term_survives_the_etcd_leader_killed_or_stopped() {
 fn a_lost_quorum_stops_the_command_before_the_lease_could_lapse() {
     let mut etcd = EtcdCluster::start(3);
     let sandbox = Sandbox::new();
-    let leader = sandbox.leaderrun_on(&etcd.url(), "quorum").sh(RUNS).spawn();
-    assert!(
-        wait_until(LONG, || tokens(&sandbox).len() == 1),
-        "{}",
-        leader.stderr()
-    );
+    let leader = first_term(&sandbox, &etcd.url(), "quorum", &[]);
     let follower = sandbox.leaderrun_on(&etcd.url(), "quorum").sh(RUNS).spawn();
     std::thread::sleep(Duration::from_millis(500));
     let pid = sandbox.wait_pid("pids");
@@ -246,4 +217,134 @@ fn a_hundred_followers_do_not_stampede() {
                 task.abort();
             }
         });
+}
+
+/// The whole cluster stopped and started again on its data: tokens go on
+/// from where they were.
+#[test]
+fn a_whole_cluster_restart_never_sends_tokens_back() {
+    let mut etcd = EtcdCluster::start(3);
+    let sandbox = Sandbox::new();
+    let token = |sandbox: &Sandbox| {
+        let out = sandbox
+            .leaderrun_on(&etcd.url(), "restart")
+            .sh("echo $LEADERRUN_TOKEN")
+            .run();
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        out.stdout.trim().parse::<u64>().unwrap()
+    };
+    assert_eq!(token(&sandbox), 1);
+    assert_eq!(token(&sandbox), 2);
+    for member in &mut etcd.members {
+        member.stop();
+    }
+    for member in &mut etcd.members {
+        member.start();
+    }
+    etcd.wait_healthy();
+    let out = sandbox
+        .leaderrun_on(&etcd.url(), "restart")
+        .sh("echo $LEADERRUN_TOKEN")
+        .run();
+    assert_eq!((out.code, out.stdout.trim()), (0, "3"), "{}", out.stderr);
+}
+
+/// The holder cut off from every member by a proxy that black-holes its
+/// traffic: its command is told and gone before the other replica's starts.
+#[test]
+fn a_holder_cut_off_from_the_cluster_stops_before_anyone_else_leads() {
+    let etcd = EtcdCluster::start(3);
+    let proxies: Vec<common::proxy::Proxy> = etcd
+        .members
+        .iter()
+        .map(|m| common::proxy::Proxy::start(m.client_port))
+        .collect();
+    let through: Vec<String> = proxies
+        .iter()
+        .map(|p| format!("127.0.0.1:{}", p.port))
+        .collect();
+    let sandbox = Sandbox::new();
+    let leader = sandbox
+        .leaderrun_on(&format!("etcd://{}", through.join(",")), "cut")
+        .sh("touch a-started; trap 'date +%s%N > a-ended; exit 0' TERM; while :; do sleep 0.02; done")
+        .spawn();
+    assert!(
+        wait_until(LONG, || sandbox.path("a-started").exists()),
+        "{}",
+        leader.stderr()
+    );
+    let follower = sandbox
+        .leaderrun_on(&etcd.url(), "cut")
+        .sh("date +%s%N > b-started; sleep 300")
+        .spawn();
+    std::thread::sleep(Duration::from_millis(500));
+    for proxy in &proxies {
+        proxy.black_hole(true);
+    }
+    assert!(
+        wait_until(LONG, || sandbox.path("b-started").exists()),
+        "{}\n{}",
+        leader.stderr(),
+        follower.stderr()
+    );
+    let ended: u128 = sandbox.read("a-ended").trim().parse().unwrap();
+    let started: u128 = sandbox.read("b-started").trim().parse().unwrap();
+    assert!(
+        ended < started,
+        "the old command ended {ended}, the new began {started}"
+    );
+}
+
+/// etcds://: the server's certificate checked against --tls-ca-file, and a
+/// client certificate shown where the server asks for one.
+#[test]
+fn tls_with_a_private_ca_and_a_client_certificate() {
+    let (etcd, certs) = EtcdCluster::start_tls(true);
+    let sandbox = Sandbox::new();
+    let path = |name: &str| certs.join(name).display().to_string();
+    let tries: [(&[&str], bool); 3] = [
+        // The certificate is signed by a CA the public roots do not hold.
+        (&[], false),
+        // Trusted, but without the client certificate etcd asks for.
+        (&["--tls-ca-file", &path("ca.pem")], false),
+        (
+            &[
+                "--tls-ca-file",
+                &path("ca.pem"),
+                "--tls-cert-file",
+                &path("server.pem"),
+                "--tls-key-file",
+                &path("server.key"),
+            ],
+            true,
+        ),
+    ];
+    for (args, works) in tries {
+        let out = sandbox
+            .leaderrun_on(&etcd.url(), "tls")
+            .args(args)
+            .args(["--wait", "2s"])
+            .sh("echo $LEADERRUN_TOKEN")
+            .run();
+        if works {
+            assert_eq!((out.code, out.stdout.trim()), (0, "1"), "{}", out.stderr);
+        } else {
+            assert_ne!(out.code, 0, "{args:?}: {}", out.stderr);
+            assert!(out.stdout.is_empty());
+        }
+    }
+    // A client certificate is for etcds:// only.
+    let out = sandbox
+        .leaderrun_on("redis://127.0.0.1:1", "tls")
+        .args([
+            "--tls-cert-file",
+            &path("server.pem"),
+            "--tls-key-file",
+            &path("server.key"),
+        ])
+        .sh("touch ran")
+        .run();
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("etcds://"), "{}", out.stderr);
+    let _ = std::fs::remove_dir_all(&certs);
 }

@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::redis_server::{Cluster, SERVICE, SentinelSet, free_port};
-use common::{Sandbox, alive, ensure_dead, wait_until};
+use common::{RUNS, Sandbox, alive, ensure_dead, first_term, tokens, wait_until};
 use nix::sys::signal::Signal;
 
 const LONG: Duration = Duration::from_secs(30);
@@ -17,39 +17,6 @@ const LONG: Duration = Duration::from_secs(30);
 /// A ttl of 6 s, renewals every 500 ms: a renewal budget of about 4 s, in
 /// which a failover asked for completes.
 const PATIENT: [&str; 4] = ["--ttl", "6s", "--renew-every", "500ms"];
-
-/// Records its token and pid, and runs until stopped.
-const RUNS: &str = "echo $$ >> pids; echo $LEADERRUN_TOKEN >> tokens; trap 'exit 0' TERM; while :; do sleep 0.02; done";
-
-fn tokens(sandbox: &Sandbox) -> Vec<u64> {
-    sandbox
-        .lines("tokens")
-        .iter()
-        .map(|t| t.parse().unwrap())
-        .collect()
-}
-
-/// A leader running `RUNS` (with `PATIENT` timing if `patient`, and
-/// `options`), once its first term's command started.
-fn first_term(
-    sandbox: &Sandbox,
-    url: &str,
-    key: &str,
-    patient: bool,
-    options: &[&str],
-) -> common::Replica {
-    let mut run = sandbox.leaderrun_on(url, key);
-    if patient {
-        run.args(PATIENT);
-    }
-    let leader = run.args(options).sh(RUNS).spawn();
-    assert!(
-        wait_until(LONG, || tokens(sandbox).len() == 1),
-        "{}",
-        leader.stderr()
-    );
-    leader
-}
 
 /// Waits until `n` terms started, each after the last one's command died.
 fn wait_terms(sandbox: &Sandbox, n: usize, leader: &common::Replica) {
@@ -110,8 +77,11 @@ fn a_term_goes_on_through_a_sentinel_failover_it_asked_for() {
         &sandbox,
         &set.url(),
         "ha",
-        true,
-        &["--metrics-addr", &format!("127.0.0.1:{metrics}")],
+        &[
+            &PATIENT[..],
+            &["--metrics-addr", &format!("127.0.0.1:{metrics}")],
+        ]
+        .concat(),
     );
     set.failover();
     // Renewals go to the new primary, which has the lease: the same term.
@@ -134,7 +104,7 @@ fn a_killed_or_stopped_primary_ends_the_term_and_the_next_starts_on_the_new_one(
     for signal in [Signal::SIGKILL, Signal::SIGSTOP] {
         let mut set = SentinelSet::start();
         let sandbox = Sandbox::new();
-        let leader = first_term(&sandbox, &set.url(), "down", false, &[]);
+        let leader = first_term(&sandbox, &set.url(), "down", &[]);
         let old = set.primary_port();
         let primary = set.servers.iter_mut().find(|s| s.port == old).unwrap();
         if signal == Signal::SIGKILL {
@@ -220,8 +190,11 @@ fn a_cluster_runs_each_lease_on_its_slot_and_follows_failovers() {
         &sandbox,
         &cluster.url(),
         "ha",
-        true,
-        &["--metrics-addr", &format!("127.0.0.1:{metrics}")],
+        &[
+            &PATIENT[..],
+            &["--metrics-addr", &format!("127.0.0.1:{metrics}")],
+        ]
+        .concat(),
     );
     // A failover asked for: the replica takes over with the lease.
     cluster.failover("leaderrun:{ha}:lease");
@@ -236,7 +209,7 @@ fn a_cluster_runs_each_lease_on_its_slot_and_follows_failovers() {
 fn a_killed_cluster_primary_hands_the_slot_to_its_replica_and_tokens_grow() {
     let mut cluster = Cluster::start();
     let sandbox = Sandbox::new();
-    let leader = first_term(&sandbox, &cluster.url(), "down", false, &[]);
+    let leader = first_term(&sandbox, &cluster.url(), "down", &[]);
     cluster.kill_primary("leaderrun:{down}:lease");
     wait_terms(&sandbox, 2, &leader);
     for pid in sandbox.lines("pids") {
@@ -337,7 +310,7 @@ fn a_promoted_replica_that_missed_the_lease_hands_it_out_only_after_one_ttl() {
     let set = SentinelSet::start();
     let sandbox = Sandbox::new();
     let key = "missed";
-    let leader = first_term(&sandbox, &set.url(), key, true, &[]);
+    let leader = first_term(&sandbox, &set.url(), key, &PATIENT);
     let follower = sandbox
         .leaderrun_on(&set.url(), key)
         .args(PATIENT)
@@ -431,7 +404,7 @@ fn a_term_goes_on_while_its_slot_moves_to_another_primary() {
     let cluster = Cluster::start();
     let sandbox = Sandbox::new();
     let lease = "leaderrun:{moving}:lease";
-    let mut leader = first_term(&sandbox, &cluster.url(), "moving", true, &[]);
+    let mut leader = first_term(&sandbox, &cluster.url(), "moving", &PATIENT);
     let from = cluster.primary_of(lease).port;
     let to = *cluster.primaries().iter().find(|p| **p != from).unwrap();
     // 700 ms between keys: renewals (every 500 ms) meet the slot half moved.

@@ -150,12 +150,7 @@ impl Backend for MemoryBackend {
         key: &str,
         call_timeout: Duration,
     ) -> Result<Arc<dyn LeaseStore>, ConfigError> {
-        let lease = LeaseConfig {
-            key: key.to_owned(),
-            me: super::Identity::new("status"),
-            ttl: Duration::from_secs(1),
-            call_timeout,
-        };
+        let lease = LeaseConfig::observer(key, call_timeout);
         Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
     }
 }

@@ -80,6 +80,19 @@ pub struct LeaseConfig {
     pub call_timeout: Duration,
 }
 
+impl LeaseConfig {
+    /// What `leaderrun status` reads `key` with: a read-only view that
+    /// never campaigns, so its ttl does not matter.
+    pub fn observer(key: &str, call_timeout: Duration) -> LeaseConfig {
+        LeaseConfig {
+            key: key.to_owned(),
+            me: Identity::new("status"),
+            ttl: Duration::from_secs(1),
+            call_timeout,
+        }
+    }
+}
+
 /// The lease of one key, as one replica sees it.
 ///
 /// Every call that reaches the backend either answers or says why it could

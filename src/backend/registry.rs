@@ -12,6 +12,8 @@ use crate::error::ConfigError;
 pub struct BackendOptions {
     /// `--tls-ca-file`: the CA that signed a TLS server's certificate.
     pub tls_ca_file: Option<PathBuf>,
+    /// `--tls-cert-file` and `--tls-key-file`: a client certificate (etcd).
+    pub tls_client: Option<(PathBuf, PathBuf)>,
     /// `--sentinel-password`: the Redis sentinels' own password.
     pub sentinel_password: Option<String>,
 }
@@ -62,6 +64,12 @@ pub fn parse(url: Option<&str>, options: &BackendOptions) -> Result<Arc<dyn Back
             .find(|(schemes, _, _)| schemes.contains(&scheme))
             .map(|(_, _, parse)| parse)
     });
+    if options.tls_client.is_some() && scheme.as_deref() != Some("etcds") {
+        return Err(ConfigError::BackendUrl {
+            url: super::url::redact(url),
+            why: "--tls-cert-file and --tls-key-file are for etcds:// only".into(),
+        });
+    }
     match parse {
         Some(parse) => parse(url, options),
         None => Err(ConfigError::BackendUrl {

@@ -27,6 +27,32 @@ pub fn roots_from(file: &Path) -> Result<RootCertStore, String> {
     Ok(roots)
 }
 
+/// A client certificate chain and its private key, from PEM files.
+pub fn client_identity(
+    cert_file: &Path,
+    key_file: &Path,
+) -> Result<
+    (
+        Vec<CertificateDer<'static>>,
+        rustls::pki_types::PrivateKeyDer<'static>,
+    ),
+    String,
+> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_file)
+        .map_err(|e| format!("cannot read --tls-cert-file {}: {e}", cert_file.display()))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("--tls-cert-file {}: {e}", cert_file.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "--tls-cert-file {} holds no certificate",
+            cert_file.display()
+        ));
+    }
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key_file)
+        .map_err(|e| format!("--tls-key-file {}: {e}", key_file.display()))?;
+    Ok((certs, key))
+}
+
 /// The well-known public roots.
 pub fn public_roots() -> RootCertStore {
     RootCertStore {

@@ -23,12 +23,16 @@ pub struct Member {
     data: PathBuf,
     cluster: String,
     log: PathBuf,
+    /// TLS to clients, with the certificates in this directory, and
+    /// whether a client must show one.
+    tls: Option<(PathBuf, bool)>,
 }
 
 impl Member {
     fn run(&mut self) {
         let log = std::fs::File::create(&self.log).unwrap();
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut command = Command::new("etcd");
         command
@@ -54,9 +58,20 @@ impl Member {
                 "leaderrun-test",
             ])
             .args(["--heartbeat-interval", "50", "--election-timeout", "250"])
-            .args(["--logger=zap", "--log-level=warn"])
-            .stdout(Stdio::null())
-            .stderr(log);
+            .args(["--logger=zap", "--log-level=warn"]);
+        if let Some((dir, client_auth)) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(dir.join("server.pem"))
+                .arg("--key-file")
+                .arg(dir.join("server.key"))
+                .arg("--trusted-ca-file")
+                .arg(dir.join("ca.pem"));
+            if *client_auth {
+                command.arg("--client-cert-auth");
+            }
+        }
+        command.stdout(Stdio::null()).stderr(log);
         let child = super::dies_with_the_test(&mut command)
             .spawn()
             .expect("etcd (scripts/test installs etcd-server)");
@@ -94,8 +109,19 @@ impl Member {
         format!("127.0.0.1:{}", self.client_port)
     }
 
-    /// `GET /health` says so.
+    /// `GET /health` says so (`etcdctl endpoint health` over TLS).
     fn healthy(&self) -> bool {
+        if let Some((dir, _)) = &self.tls {
+            return Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .arg(format!("--endpoints=https://{}", self.endpoint()))
+                .arg(format!("--cacert={}", dir.join("ca.pem").display()))
+                .arg(format!("--cert={}", dir.join("server.pem").display()))
+                .arg(format!("--key={}", dir.join("server.key").display()))
+                .args(["endpoint", "health", "--command-timeout=500ms"])
+                .output()
+                .is_ok_and(|out| out.status.success());
+        }
         let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.client_port)) else {
             return false;
         };
@@ -125,6 +151,27 @@ pub struct EtcdCluster {
 
 impl EtcdCluster {
     pub fn start(size: usize) -> EtcdCluster {
+        Self::start_with(size, None)
+    }
+
+    /// One member speaking only TLS to clients, with a certificate signed
+    /// by a CA made for the test (`ca.pem`, also good for a client
+    /// certificate: `server.pem`, `server.key`), which it asks clients for
+    /// if `client_auth`. Returns the directory of the certificates too.
+    pub fn start_tls(client_auth: bool) -> (EtcdCluster, PathBuf) {
+        let certs = tempfile::Builder::new()
+            .prefix("leaderrun-etcd-certs-")
+            .tempdir()
+            .unwrap()
+            .keep();
+        super::make_certificates(&certs);
+        (
+            Self::start_with(1, Some((certs.clone(), client_auth))),
+            certs,
+        )
+    }
+
+    fn start_with(size: usize, tls: Option<(PathBuf, bool)>) -> EtcdCluster {
         let dir = tempfile::Builder::new()
             .prefix("leaderrun-etcd-")
             .tempdir()
@@ -147,6 +194,7 @@ impl EtcdCluster {
                 data: dir.path().join(format!("m{i}.data")),
                 cluster: cluster.clone(),
                 log: dir.path().join(format!("m{i}.log")),
+                tls: tls.clone(),
             })
             .collect();
         for member in &mut members {
@@ -175,10 +223,15 @@ impl EtcdCluster {
         }
     }
 
-    /// `etcd://` naming every member.
+    /// `etcd://` (`etcds://` with TLS) naming every member.
     pub fn url(&self) -> String {
         let endpoints: Vec<String> = self.members.iter().map(Member::endpoint).collect();
-        format!("etcd://{}", endpoints.join(","))
+        let scheme = if self.members[0].tls.is_some() {
+            "etcds"
+        } else {
+            "etcd"
+        };
+        format!("{scheme}://{}", endpoints.join(","))
     }
 
     /// Runs `etcdctl` against every member.

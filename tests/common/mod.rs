@@ -556,3 +556,32 @@ pub fn make_certificates(dir: &Path) {
         "server.pem",
     ]);
 }
+
+/// A command that records its pid and token (in `pids` and `tokens`) and
+/// runs until stopped.
+pub const RUNS: &str = "echo $$ >> pids; echo $LEADERRUN_TOKEN >> tokens; trap 'exit 0' TERM; while :; do sleep 0.02; done";
+
+/// The tokens `RUNS` recorded, in order.
+pub fn tokens(sandbox: &Sandbox) -> Vec<u64> {
+    sandbox
+        .lines("tokens")
+        .iter()
+        .map(|t| t.parse().unwrap())
+        .collect()
+}
+
+/// A leader on `url` running `RUNS` with `options`, once its first term's
+/// command started.
+pub fn first_term(sandbox: &Sandbox, url: &str, key: &str, options: &[&str]) -> Replica {
+    let leader = sandbox
+        .leaderrun_on(url, key)
+        .args(options)
+        .sh(RUNS)
+        .spawn();
+    assert!(
+        wait_until(Duration::from_secs(30), || tokens(sandbox).len() == 1),
+        "{}",
+        leader.stderr()
+    );
+    leader
+}

@@ -38,7 +38,7 @@ mod url;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
@@ -70,22 +70,32 @@ pub fn parse(raw: &str, options: &BackendOptions) -> Result<Arc<dyn Backend>, Co
         url: url.to_string(),
         why,
     };
+    if !url.tls && (options.tls_ca_file.is_some() || options.tls_client.is_some()) {
+        return Err(refused(
+            "--tls-ca-file, --tls-cert-file and --tls-key-file need TLS: an etcds:// URL".into(),
+        ));
+    }
     let tls = match (url.tls, &options.tls_ca_file) {
-        (false, Some(_)) => {
-            return Err(refused("--tls-ca-file needs TLS: an etcds:// URL".into()));
-        }
-        (false, None) => None,
+        (false, _) => None,
         (true, ca_file) => {
             let roots = match ca_file {
                 Some(file) => super::tls::roots_from(file).map_err(refused)?,
                 None => super::tls::public_roots(),
             };
             let provider = Arc::new(rustls::crypto::ring::default_provider());
-            let config = rustls::ClientConfig::builder_with_provider(provider)
+            let builder = rustls::ClientConfig::builder_with_provider(provider)
                 .with_safe_default_protocol_versions()
                 .map_err(|e| refused(e.to_string()))?
-                .with_root_certificates(roots)
-                .with_no_client_auth();
+                .with_root_certificates(roots);
+            let config = match &options.tls_client {
+                Some((cert, key)) => {
+                    let (chain, key) = super::tls::client_identity(cert, key).map_err(&refused)?;
+                    builder
+                        .with_client_auth_cert(chain, key)
+                        .map_err(|e| refused(format!("the client certificate: {e}")))?
+                }
+                None => builder.with_no_client_auth(),
+            };
             Some(tokio_rustls::TlsConnector::from(Arc::new(config)))
         }
     };
@@ -120,12 +130,7 @@ impl Backend for EtcdBackend {
         key: &str,
         call_timeout: Duration,
     ) -> Result<Arc<dyn LeaseStore>, ConfigError> {
-        let lease = LeaseConfig {
-            key: key.to_owned(),
-            me: Identity::new("status"),
-            ttl: Duration::from_secs(1),
-            call_timeout,
-        };
+        let lease = LeaseConfig::observer(key, call_timeout);
         Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
     }
 }
@@ -150,6 +155,7 @@ impl EtcdBackend {
             me: lease.me,
             shown: self.url.to_string(),
             session: Mutex::new(None),
+            last_record: Mutex::new(None),
             highest_seen: AtomicU64::new(0),
             wake: Arc::new(Waiter::default()),
         }
@@ -234,6 +240,8 @@ pub struct EtcdStore {
     shown: String,
     /// This replica's etcd lease, once granted.
     session: Mutex<Option<i64>>,
+    /// When this replica's record was last written.
+    last_record: Mutex<Option<Instant>>,
     /// The highest token this replica has seen, its own or a holder's.
     highest_seen: AtomicU64,
     wake: Arc<Waiter>,
@@ -356,6 +364,18 @@ impl EtcdStore {
         Ok(alive)
     }
 
+    /// Whether this replica's record was written a quarter ttl ago or
+    /// more; if so, it counts as written now.
+    fn record_due(&self) -> bool {
+        let quarter = Duration::from_secs(self.ttl_secs.max(1) as u64) / 4;
+        let mut last = self.last_record.lock().unwrap();
+        let due = last.is_none_or(|at| at.elapsed() >= quarter);
+        if due {
+            *last = Some(Instant::now());
+        }
+        due
+    }
+
     /// This replica's candidate record.
     fn record(&self, leading: bool) -> String {
         format!(
@@ -394,18 +414,18 @@ impl EtcdStore {
         let session = self.session().await?;
         for _ in 0..3 {
             // The read refreshes this replica's record as a follower's (an
-            // acquisition writes it again, leading).
-            let read = self
-                .txn(
-                    vec![],
-                    vec![
-                        range(&self.keys.lease),
-                        range(&self.keys.counter),
-                        put(&self.keys.my_candidate, &self.record(false), Some(session)),
-                    ],
-                    vec![],
-                )
-                .await?;
+            // acquisition writes it again, leading), unless it was written
+            // within a quarter ttl: a follower woken by a release spares
+            // the write.
+            let mut read = vec![range(&self.keys.lease), range(&self.keys.counter)];
+            if self.record_due() {
+                read.push(put(
+                    &self.keys.my_candidate,
+                    &self.record(false),
+                    Some(session),
+                ));
+            }
+            let read = self.txn(vec![], read, vec![]).await?;
             let current = kvs(&read, 0).first().map(LeaseRecord::parse).transpose()?;
             let counter_kv = kvs(&read, 1).into_iter().next();
             let counter: u64 = counter_kv
