@@ -50,11 +50,14 @@ pub trait Backend: Send + Sync + fmt::Display {
     fn lease(&self, lease: LeaseConfig) -> Result<Arc<dyn LeaseStore>, ConfigError>;
 
     /// A read-only view of one key for `leaderrun status`: creates nothing.
+    /// By default, a store that never campaigns.
     fn observer(
         &self,
         key: &str,
         call_timeout: Duration,
-    ) -> Result<Arc<dyn LeaseStore>, ConfigError>;
+    ) -> Result<Arc<dyn LeaseStore>, ConfigError> {
+        self.lease(LeaseConfig::observer(key, call_timeout))
+    }
 
     /// Variables of leaderrun's environment that hold a secret this backend
     /// used (`PGPASSWORD`): the command never inherits them.

@@ -124,15 +124,6 @@ impl Backend for EtcdBackend {
         let call_timeout = lease.call_timeout;
         Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
     }
-
-    fn observer(
-        &self,
-        key: &str,
-        call_timeout: Duration,
-    ) -> Result<Arc<dyn LeaseStore>, ConfigError> {
-        let lease = LeaseConfig::observer(key, call_timeout);
-        Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
-    }
 }
 
 impl EtcdBackend {

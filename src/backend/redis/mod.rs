@@ -102,15 +102,6 @@ impl Backend for RedisBackend {
         let call_timeout = lease.call_timeout;
         Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
     }
-
-    fn observer(
-        &self,
-        key: &str,
-        call_timeout: Duration,
-    ) -> Result<Arc<dyn LeaseStore>, ConfigError> {
-        let lease = LeaseConfig::observer(key, call_timeout);
-        Ok(Bounded::wrap(Arc::new(self.store(lease)), call_timeout))
-    }
 }
 
 impl RedisBackend {
