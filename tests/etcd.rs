@@ -102,7 +102,10 @@ fn users_and_passwords_are_etcds_and_never_leak() {
 fn a_term_survives_the_etcd_leader_killed_or_stopped() {
     let mut etcd = EtcdCluster::start(3);
     let sandbox = Sandbox::new();
-    let mut leader = first_term(&sandbox, &etcd.url(), "survive", &[]);
+    // A renewal budget of 3.5 s: an election (250 ms timeout here) fits in
+    // it on a busy machine too.
+    let patient = ["--ttl", "6s", "--renew-every", "500ms"];
+    let mut leader = first_term(&sandbox, &etcd.url(), "survive", &patient);
     let first = etcd.leader();
     etcd.members[first].stop();
     std::thread::sleep(Duration::from_secs(3));
