@@ -294,6 +294,28 @@ fn a_renewal_after_loss_is_lost(harness: &mut dyn Harness) {
     });
 }
 
+/// A lease lasts a ttl from the start of the call that acquired it, also
+/// for a follower whose last contact with the backend was most of a ttl
+/// before (the supervisor counts the term from the call's start).
+fn an_acquired_lease_lasts_a_ttl_from_the_acquisition(harness: &mut dyn Harness) {
+    block_on(async {
+        let a = replica(harness, "lasts", "a");
+        let b = replica(harness, "lasts", "b");
+        let c = replica(harness, "lasts", "c");
+        let token = acquired(a.acquire(1).await);
+        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+        tokio::time::sleep(TTL.mul_f64(0.9)).await;
+        assert!(a.release(token).await.unwrap());
+        let called = tokio::time::Instant::now();
+        let theirs = acquired(b.acquire(2).await);
+        tokio::time::sleep_until(called + TTL.mul_f64(0.75)).await;
+        match c.acquire(1).await {
+            Ok(Attempt::Held(holder)) => assert_eq!(holder.token, theirs),
+            other => panic!("b's lease lapsed before its ttl: {other:?}"),
+        }
+    });
+}
+
 fn a_release_wakes_one_waiting_follower(harness: &mut dyn Harness) {
     block_on(async {
         let a = replica(harness, "wake", "a");
@@ -401,6 +423,10 @@ macro_rules! contract {
             #[test]
             fn a_renewal_after_loss_is_lost() {
                 super::a_renewal_after_loss_is_lost(&mut super::$backend());
+            }
+            #[test]
+            fn an_acquired_lease_lasts_a_ttl_from_the_acquisition() {
+                super::an_acquired_lease_lasts_a_ttl_from_the_acquisition(&mut super::$backend());
             }
             #[test]
             fn a_release_wakes_one_waiting_follower() {

@@ -402,7 +402,18 @@ impl EtcdStore {
     }
 
     async fn acquire_once(&self, attempt: u64) -> Result<Attempt, StoreError> {
+        // The lease key will hang on this replica's etcd lease, which the
+        // server keeps a ttl from its last keep-alive. That must be no
+        // earlier than this call's start, from which the supervisor counts
+        // the term: keep it alive first (a keep-alive is no etcd write).
         let session = self.session().await?;
+        let session = if self.keep_alive(session).await? {
+            session
+        } else {
+            // It had expired, and its records with it: a new one.
+            *self.last_record.lock().unwrap() = None;
+            self.session().await?
+        };
         for _ in 0..3 {
             // The read refreshes this replica's record as a follower's (an
             // acquisition writes it again, leading), unless it was written
@@ -446,13 +457,7 @@ impl EtcdStore {
                     json!({"key": b64(self.keys.lease.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": record.mod_revision.to_string()})
                 }
                 Some(record) => {
-                    let holder = self.holder(record).await?;
-                    if !self.keep_alive(session).await? {
-                        // The record went with the expired etcd lease.
-                        let session = self.session().await?;
-                        self.heartbeat_as(session, false).await?;
-                    }
-                    return Ok(Attempt::Held(holder));
+                    return Ok(Attempt::Held(self.holder(record).await?));
                 }
                 None => {
                     json!({"key": b64(self.keys.lease.as_bytes()), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
