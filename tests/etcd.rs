@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::etcd_server::EtcdCluster;
 use common::{RUNS, Sandbox, alive, first_term, tokens, wait_until};
+use leaderrun::backend::BackendOptions;
 use nix::sys::signal::Signal;
 
 const LONG: Duration = Duration::from_secs(30);
@@ -166,60 +167,13 @@ fn a_lost_quorum_stops_the_command_before_the_lease_could_lapse() {
 /// exactly one of them, not all.
 #[test]
 fn a_hundred_followers_do_not_stampede() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use leaderrun::backend::{Attempt, BackendOptions, Identity, LeaseConfig, LeaseStore};
-
     let etcd = EtcdCluster::start(1);
     let backend = leaderrun::backend::parse(Some(&etcd.url()), &BackendOptions::default()).unwrap();
-    let store = |owner: &str| -> Arc<dyn LeaseStore> {
-        backend
-            .lease(LeaseConfig {
-                key: "crowd".into(),
-                me: Identity::new(owner),
-                ttl: Duration::from_secs(30),
-                call_timeout: Duration::from_secs(5),
-            })
-            .unwrap()
-    };
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(async {
-            let leader = store("leader");
-            let Ok(Attempt::Acquired { token }) = leader.acquire(1).await else {
-                panic!("not acquired");
-            };
-            let wakes = Arc::new(AtomicUsize::new(0));
-            let mut followers = Vec::new();
-            let mut tasks = Vec::new();
-            for i in 0..100 {
-                let (follower, wakes) = (store(&format!("f{i}")), wakes.clone());
-                followers.push(follower.clone());
-                tasks.push(tokio::spawn(async move {
-                    loop {
-                        follower.notice().await;
-                        wakes.fetch_add(1, Ordering::SeqCst);
-                    }
-                }));
-            }
-            // Every follower has its place and its watch.
-            let placed = Instant::now();
-            while !followers.iter().all(|f| f.wakes_on_release()) {
-                assert!(placed.elapsed() < LONG, "not every follower is watching");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            wakes.store(0, Ordering::SeqCst);
-            assert!(leader.release(token).await.unwrap());
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            assert_eq!(wakes.load(Ordering::SeqCst), 1, "followers woken");
-            for task in tasks {
-                task.abort();
-            }
-        });
+    // Every follower has its place and its watch.
+    let woken = common::wakes_of_a_hundred_followers(&*backend, |followers| {
+        followers.iter().all(|f| f.wakes_on_release())
+    });
+    assert_eq!(woken, 1, "followers woken");
 }
 
 /// The whole cluster stopped and started again on its data: tokens go on

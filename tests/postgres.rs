@@ -5,7 +5,6 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::postgres_server::PostgresServer;
@@ -470,56 +469,13 @@ fn a_hundred_followers_do_not_stampede() {
     let server = PostgresServer::start();
     let backend =
         leaderrun::backend::parse(Some(&server.url()), &BackendOptions::default()).unwrap();
-    let store = |owner: &str| -> Arc<dyn LeaseStore> {
-        backend
-            .lease(LeaseConfig {
-                key: "crowd".into(),
-                me: Identity::new(owner),
-                ttl: Duration::from_secs(30),
-                call_timeout: Duration::from_secs(5),
-            })
-            .unwrap()
-    };
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(async {
-            let leader = store("leader");
-            leader.check().await.unwrap();
-            let Ok(Attempt::Acquired { token }) = leader.acquire(1).await else {
-                panic!("not acquired");
-            };
-            let wakes = Arc::new(AtomicUsize::new(0));
-            let mut tasks = Vec::new();
-            for i in 0..100 {
-                let (follower, wakes) = (store(&format!("f{i}")), wakes.clone());
-                tasks.push(tokio::spawn(async move {
-                    loop {
-                        follower.notice().await;
-                        wakes.fetch_add(1, Ordering::SeqCst);
-                    }
-                }));
-            }
-            // Every follower has its place (each woke once, for it).
-            let placed = Instant::now();
-            while server.psql(
-                "postgres",
-                "SELECT count(*) FROM leaderrun_candidate WHERE placed_at IS NOT NULL",
-            ) != "100"
-            {
-                assert!(placed.elapsed() < LONG, "not every follower took a place");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            wakes.store(0, Ordering::SeqCst);
-            assert!(leader.release(token).await.unwrap());
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            assert_eq!(wakes.load(Ordering::SeqCst), 1, "followers woken");
-            for task in tasks {
-                task.abort();
-            }
-        });
+    let woken = common::wakes_of_a_hundred_followers(&*backend, |_| {
+        server.psql(
+            "postgres",
+            "SELECT count(*) FROM leaderrun_candidate WHERE placed_at IS NOT NULL",
+        ) == "100"
+    });
+    assert_eq!(woken, 1, "followers woken");
 }
 
 /// `examples/postgres/publish.sh`: the fence is checked in the job's own

@@ -585,3 +585,68 @@ pub fn first_term(sandbox: &Sandbox, url: &str, key: &str, options: &[&str]) -> 
     );
     leader
 }
+
+/// 100 followers of one key on `backend` wait in `notice` while a leader
+/// holds it; once `placed` says every follower has its place, the leader
+/// releases: how many followers woke (one, for a line without a herd).
+pub fn wakes_of_a_hundred_followers(
+    backend: &dyn leaderrun::backend::Backend,
+    placed: impl Fn(&[std::sync::Arc<dyn leaderrun::backend::LeaseStore>]) -> bool,
+) -> usize {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use leaderrun::backend::{Attempt, Identity, LeaseConfig, LeaseStore};
+
+    let store = |owner: &str| -> Arc<dyn LeaseStore> {
+        backend
+            .lease(LeaseConfig {
+                key: "crowd".into(),
+                me: Identity::new(owner),
+                ttl: Duration::from_secs(30),
+                call_timeout: Duration::from_secs(5),
+            })
+            .unwrap()
+    };
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let leader = store("leader");
+            leader.check().await.unwrap();
+            let Ok(Attempt::Acquired { token }) = leader.acquire(1).await else {
+                panic!("not acquired");
+            };
+            let wakes = Arc::new(AtomicUsize::new(0));
+            let mut followers = Vec::new();
+            let mut tasks = Vec::new();
+            for i in 0..100 {
+                let (follower, wakes) = (store(&format!("f{i}")), wakes.clone());
+                followers.push(follower.clone());
+                tasks.push(tokio::spawn(async move {
+                    loop {
+                        follower.notice().await;
+                        wakes.fetch_add(1, Ordering::SeqCst);
+                    }
+                }));
+            }
+            let since = Instant::now();
+            while !placed(&followers) {
+                assert!(
+                    since.elapsed() < Duration::from_secs(30),
+                    "not every follower took a place"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            // A new place may wake its follower once: let that pass.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            wakes.store(0, Ordering::SeqCst);
+            assert!(leader.release(token).await.unwrap());
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            for task in tasks {
+                task.abort();
+            }
+            wakes.load(Ordering::SeqCst)
+        })
+}

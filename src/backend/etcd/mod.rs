@@ -221,6 +221,16 @@ struct Waiter {
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
+impl Waiter {
+    /// Stops the watch (and so the wake-ups) of this replica.
+    fn stop(&self) {
+        if let Some(task) = self.task.lock().unwrap().take() {
+            task.abort();
+        }
+        self.watching.store(false, Ordering::SeqCst);
+    }
+}
+
 /// One replica's lease on one key.
 pub struct EtcdStore {
     client: Arc<Client>,
@@ -259,6 +269,27 @@ fn range_prefix(prefix: &str, limit: i64) -> Value {
         "sort_target": "CREATE",
         "limit": limit,
     }})
+}
+
+/// A transaction's condition: `key` last changed at `revision` (0: absent).
+fn same_revision(key: &str, revision: i64) -> Value {
+    json!({"key": b64(key.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()})
+}
+
+/// A transaction's condition: `key` does not exist.
+fn absent(key: &str) -> Value {
+    json!({"key": b64(key.as_bytes()), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+}
+
+/// The counter key's value and revision (0 and 0 when absent).
+fn counter_of(kv: Option<&Value>) -> Result<(u64, i64), StoreError> {
+    let Some(kv) = kv else {
+        return Ok((0, 0));
+    };
+    let counter = String::from_utf8_lossy(&unb64(&kv["value"]))
+        .parse()
+        .map_err(|_| Fatal::Corrupt("the counter key is not a number".into()))?;
+    Ok((counter, int(&kv["mod_revision"])))
 }
 
 fn delete(key: &str) -> Value {
@@ -339,6 +370,17 @@ impl EtcdStore {
         Ok(id)
     }
 
+    /// This replica's etcd lease, kept alive now (a keep-alive is no etcd
+    /// write), or granted anew if it had expired, with its records.
+    async fn live_session(&self) -> Result<i64, StoreError> {
+        let session = self.session().await?;
+        if self.keep_alive(session).await? {
+            return Ok(session);
+        }
+        *self.last_record.lock().unwrap() = None;
+        self.session().await
+    }
+
     /// Keeps this replica's etcd lease alive: false if it had expired (its
     /// keys are gone; a new one is granted on next use).
     async fn keep_alive(&self, id: i64) -> Result<bool, StoreError> {
@@ -405,15 +447,8 @@ impl EtcdStore {
         // The lease key will hang on this replica's etcd lease, which the
         // server keeps a ttl from its last keep-alive. That must be no
         // earlier than this call's start, from which the supervisor counts
-        // the term: keep it alive first (a keep-alive is no etcd write).
-        let session = self.session().await?;
-        let session = if self.keep_alive(session).await? {
-            session
-        } else {
-            // It had expired, and its records with it: a new one.
-            *self.last_record.lock().unwrap() = None;
-            self.session().await?
-        };
+        // the term: keep it alive first.
+        let session = self.live_session().await?;
         for _ in 0..3 {
             // The read refreshes this replica's record as a follower's (an
             // acquisition writes it again, leading), unless it was written
@@ -429,19 +464,13 @@ impl EtcdStore {
             }
             let read = self.txn(vec![], read, vec![]).await?;
             let current = kvs(&read, 0).first().map(LeaseRecord::parse).transpose()?;
-            let counter_kv = kvs(&read, 1).into_iter().next();
-            let counter: u64 = counter_kv
-                .as_ref()
-                .map(|kv| String::from_utf8_lossy(&unb64(&kv["value"])).parse())
-                .transpose()
-                .map_err(|_| Fatal::Corrupt("the counter key is not a number".into()))?
-                .unwrap_or(0);
-            let counter_revision = counter_kv.as_ref().map_or(0, |kv| int(&kv["mod_revision"]));
+            let (counter, counter_revision) = counter_of(kvs(&read, 1).first())?;
             self.saw(counter);
-            let guard = match &current {
-                Some(record)
-                    if record.instance == self.me.instance && record.attempt == attempt =>
-                {
+            let mine = |record: &LeaseRecord| record.instance == self.me.instance;
+            // The condition the lease key must meet, and the token of a
+            // repeated attempt (it keeps its token).
+            let (guard, repeated) = match &current {
+                Some(record) if mine(record) && record.attempt == attempt => {
                     // A repeat of an attempt whose reply was lost.
                     self.saw(record.token);
                     if record.lease_id == session {
@@ -450,18 +479,17 @@ impl EtcdStore {
                         });
                     }
                     // Its etcd lease was replaced: the key goes with the old.
-                    json!({"key": b64(self.keys.lease.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": record.mod_revision.to_string()})
+                    let guard = same_revision(&self.keys.lease, record.mod_revision);
+                    (guard, Some(record.token))
                 }
-                Some(record) if record.instance == self.me.instance => {
-                    // An earlier term of this replica, over now.
-                    json!({"key": b64(self.keys.lease.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": record.mod_revision.to_string()})
+                // An earlier term of this replica, over now.
+                Some(record) if mine(record) => {
+                    (same_revision(&self.keys.lease, record.mod_revision), None)
                 }
                 Some(record) => {
                     return Ok(Attempt::Held(self.holder(record).await?));
                 }
-                None => {
-                    json!({"key": b64(self.keys.lease.as_bytes()), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
-                }
+                None => (absent(&self.keys.lease), None),
             };
             let highest = self.highest_seen.load(Ordering::SeqCst).max(counter);
             if highest >= MAX_TOKEN {
@@ -471,22 +499,11 @@ impl EtcdStore {
                 }
                 .into());
             }
-            // A repeat of this attempt keeps its token.
-            let token = match &current {
-                Some(record)
-                    if record.instance == self.me.instance && record.attempt == attempt =>
-                {
-                    record.token
-                }
-                _ => highest + 1,
-            };
+            let token = repeated.unwrap_or(highest + 1);
             let value = format!("{token} {} {attempt} {}", self.me.instance, self.me.owner);
             let won = self
                 .txn(
-                    vec![
-                        guard,
-                        json!({"key": b64(self.keys.counter.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": counter_revision.to_string()}),
-                    ],
+                    vec![guard, same_revision(&self.keys.counter, counter_revision)],
                     vec![
                         put(&self.keys.counter, &token.to_string(), None),
                         put(&self.keys.lease, &value, Some(session)),
@@ -506,27 +523,6 @@ impl EtcdStore {
             retry_in: Duration::ZERO,
             why: "the lease changed during the attempt",
         })
-    }
-
-    /// Refreshes this replica's record (and keeps its etcd lease alive).
-    async fn heartbeat_as(&self, session: i64, leading: bool) -> Result<(), StoreError> {
-        // An etcd lease that expired took the record with it: a new one.
-        let session = if self.keep_alive(session).await? {
-            session
-        } else {
-            self.session().await?
-        };
-        self.call(
-            "kv/put",
-            put(
-                &self.keys.my_candidate,
-                &self.record(leading),
-                Some(session),
-            )["request_put"]
-                .clone(),
-        )
-        .await?;
-        Ok(())
     }
 
     async fn renew_once(&self, token: u64) -> Result<(), RenewError> {
@@ -586,7 +582,7 @@ impl EtcdStore {
         }
         let done = self
             .txn(
-                vec![json!({"key": b64(self.keys.lease.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": record.mod_revision.to_string()})],
+                vec![same_revision(&self.keys.lease, record.mod_revision)],
                 success,
                 vec![],
             )
@@ -606,21 +602,14 @@ impl EtcdStore {
             let read = self
                 .txn(vec![], vec![range(&self.keys.counter)], vec![])
                 .await?;
-            let kv = kvs(&read, 0).into_iter().next();
-            let counter: u64 = kv
-                .as_ref()
-                .map(|kv| String::from_utf8_lossy(&unb64(&kv["value"])).parse())
-                .transpose()
-                .map_err(|_| Fatal::Corrupt("the counter key is not a number".into()))?
-                .unwrap_or(0);
+            let (counter, revision) = counter_of(kvs(&read, 0).first())?;
             if counter >= floor {
                 self.saw(counter);
                 return Ok(counter);
             }
-            let revision = kv.as_ref().map_or(0, |kv| int(&kv["mod_revision"]));
             let moved = self
                 .txn(
-                    vec![json!({"key": b64(self.keys.counter.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()})],
+                    vec![same_revision(&self.keys.counter, revision)],
                     vec![put(&self.keys.counter, &floor.to_string(), None)],
                     vec![],
                 )
@@ -649,10 +638,7 @@ impl EtcdStore {
             Some(record) => Some(self.holder(&record).await?),
             None => None,
         };
-        let counter = kvs(&read, 1)
-            .first()
-            .and_then(|kv| String::from_utf8_lossy(&unb64(&kv["value"])).parse().ok())
-            .unwrap_or(0);
+        let counter = counter_of(kvs(&read, 1).first()).map_or(0, |(counter, _)| counter);
         let mut candidates: Vec<Candidate> = kvs(&read, 2)
             .iter()
             .filter_map(|kv| {
@@ -827,16 +813,17 @@ impl LeaseStore for EtcdStore {
 
     fn heartbeat(&self) -> Call<'_, ()> {
         Box::pin(async move {
-            let session = self.session().await?;
-            self.heartbeat_as(session, false).await
+            // Refreshes this replica's record, on its etcd lease kept alive.
+            let session = self.live_session().await?;
+            let record = put(&self.keys.my_candidate, &self.record(false), Some(session));
+            self.call("kv/put", record["request_put"].clone()).await?;
+            Ok(())
         })
     }
 
     fn withdraw(&self) -> Call<'_, ()> {
         Box::pin(async move {
-            if let Some(task) = self.wake.task.lock().unwrap().take() {
-                task.abort();
-            }
+            self.wake.stop();
             let session = self.session.lock().unwrap().take();
             if let Some(id) = session {
                 // Its records (and a lease key not released) go with it.
@@ -868,17 +855,12 @@ impl LeaseStore for EtcdStore {
 
     fn leading(&self) {
         // The acquisition took this replica out of line.
-        if let Some(task) = self.wake.task.lock().unwrap().take() {
-            task.abort();
-        }
-        self.wake.watching.store(false, Ordering::SeqCst);
+        self.wake.stop();
     }
 }
 
 impl Drop for EtcdStore {
     fn drop(&mut self) {
-        if let Some(task) = self.wake.task.lock().unwrap().take() {
-            task.abort();
-        }
+        self.wake.stop();
     }
 }

@@ -188,28 +188,26 @@ impl Link {
             .iter()
             .map(|(value, ty)| (*value, ty.clone()))
             .collect();
-        match tokio::time::timeout(self.call_timeout, session.client.query_typed(sql, &typed)).await
-        {
-            Ok(Ok(rows)) => Ok(rows),
-            Ok(Err(error)) => {
-                if error.is_closed() || error.code().is_none() {
-                    self.forget(session);
-                }
-                Err(self.classify(error))
-            }
-            Err(_) => {
-                // A server that hangs or a network that dropped: this
-                // connection may never answer again.
-                self.forget(session);
-                Err(Unreachable::Timeout(self.call_timeout).into())
-            }
-        }
+        self.bounded(session, session.client.query_typed(sql, &typed))
+            .await
     }
 
     /// Runs statements without parameters (`LISTEN`, a schema's DDL).
     pub async fn batch(&self, session: &Arc<Session>, sql: &str) -> Result<(), StoreError> {
-        match tokio::time::timeout(self.call_timeout, session.client.batch_execute(sql)).await {
-            Ok(Ok(())) => Ok(()),
+        self.bounded(session, session.client.batch_execute(sql))
+            .await
+    }
+
+    /// A call on `session`, bounded by the call timeout; the connection is
+    /// forgotten after a timeout (a server that hangs or a network that
+    /// dropped: it may never answer again) or an error that closed it.
+    async fn bounded<T>(
+        &self,
+        session: &Arc<Session>,
+        call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.call_timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => {
                 if error.is_closed() || error.code().is_none() {
                     self.forget(session);
@@ -223,10 +221,6 @@ impl Link {
         }
     }
 
-    /// Sorts an error: what no retry can fix is `Fatal::Refused`, naming
-    /// what is missing; a statement leaderrun got wrong is `Internal`;
-    /// everything else is "could not ask". tokio-postgres errors name the
-    /// server's message or the OS error, never the password.
     pub fn classify(&self, error: tokio_postgres::Error) -> StoreError {
         let text = Chain(&error).to_string();
         let refused = |what: String| StoreError::Fatal(Fatal::Refused(what));
