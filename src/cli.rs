@@ -184,6 +184,10 @@ pub struct RunArgs {
     #[arg(long, env = "LEADERRUN_CLAIM_CMD", value_name = "CMD")]
     pub claim_cmd: Option<String>,
 
+    /// Shard mode: run shard i of N (0 ≤ i < N) while holding it, with the shards split fairly among the replicas; the same N on every replica (1–4096). Runs until stopped.
+    #[arg(long, value_name = "N")]
+    pub shards: Option<String>,
+
     /// Serve /metrics, /leader (200 while leading) and /healthz on this address.
     #[arg(long, env = "LEADERRUN_METRICS_ADDR", value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,

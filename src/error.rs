@@ -92,6 +92,8 @@ pub enum ConfigError {
     Capability(String),
     #[error("--containment cgroup: {0}")]
     Containment(String),
+    #[error("invalid --shards {value:?}: {why}")]
+    Shards { value: String, why: &'static str },
 }
 
 /// The command cannot be run: checked before campaigning, so no lease is taken.

@@ -24,6 +24,7 @@ pub mod man;
 pub mod metrics;
 pub mod process;
 pub mod run;
+pub mod shard;
 pub mod signals;
 pub mod spec;
 pub mod status;

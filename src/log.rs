@@ -10,9 +10,11 @@ use std::fmt::{self, Write as _};
 use std::io::Write as _;
 
 use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::cli::{LogArgs, LogFormat};
@@ -51,6 +53,7 @@ struct Lines {
 }
 
 /// A field value, kept typed so JSON numbers and booleans stay unquoted.
+#[derive(Clone)]
 enum Value {
     Text(String),
     Raw(String),
@@ -92,9 +95,28 @@ impl Visit for Fields {
     }
 }
 
-impl<S: Subscriber> Layer<S> for Lines {
-    fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+/// The fields of a span (shard mode's `shard`), put on every line logged
+/// inside it.
+struct SpanFields(Vec<(&'static str, Value)>);
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Lines {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         let mut fields = Fields::default();
+        attrs.record(&mut fields);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(SpanFields(fields.values));
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        if let Some(scope) = ctx.event_scope(event) {
+            for span in scope.from_root() {
+                if let Some(SpanFields(values)) = span.extensions().get::<SpanFields>() {
+                    fields.values.extend(values.iter().cloned());
+                }
+            }
+        }
         event.record(&mut fields);
         let time = humantime::format_rfc3339_millis(std::time::SystemTime::now());
         let level = *event.metadata().level();

@@ -53,16 +53,62 @@ pub struct Metrics {
     /// The longest the supervisor can sleep between wake-ups; twice that
     /// without one means it is stuck.
     longest_sleep: Duration,
+    /// Shard mode: each shard's figures (this replica leads while any does).
+    shards: Vec<Arc<Metrics>>,
 }
 
 impl Metrics {
     pub fn new(key: &str, owner: &str, longest_sleep: Duration) -> Arc<Metrics> {
+        let mut registry = Self::registry(key, owner);
+        let metrics = Self::figures(longest_sleep);
+        metrics.register(&mut registry);
+        Arc::new(Metrics {
+            registry,
+            ..metrics
+        })
+    }
+
+    /// Shard mode: the replica's figures (its backend calls for the split)
+    /// and each shard's, served together with a `shard` label on the
+    /// shards' figures. `/leader` is 200 while any shard's command runs.
+    pub fn sharded(
+        key: &str,
+        owner: &str,
+        longest_sleep: Duration,
+        shards: u32,
+    ) -> (Arc<Metrics>, Vec<Arc<Metrics>>) {
+        let mut registry = Self::registry(key, owner);
+        let mut each = Vec::new();
+        for shard in 0..shards {
+            let figures = Self::figures(longest_sleep);
+            let label = (Cow::Borrowed("shard"), Cow::Owned(shard.to_string()));
+            figures.register(registry.sub_registry_with_label(label));
+            each.push(Arc::new(figures));
+        }
+        let replica = Self::figures(longest_sleep);
+        registry.register(
+            "backend_calls",
+            "Calls made to the backend (attempts, renewals, releases, heartbeats)",
+            replica.backend_calls.clone(),
+        );
+        let replica = Arc::new(Metrics {
+            registry,
+            shards: each.clone(),
+            ..replica
+        });
+        (replica, each)
+    }
+
+    fn registry(key: &str, owner: &str) -> Registry {
         let labels = [
             (Cow::Borrowed("key"), Cow::Owned(key.to_owned())),
             (Cow::Borrowed("owner"), Cow::Owned(owner.to_owned())),
         ];
-        let mut registry = Registry::with_prefix_and_labels("leaderrun", labels.into_iter());
-        let metrics = Metrics {
+        Registry::with_prefix_and_labels("leaderrun", labels.into_iter())
+    }
+
+    fn figures(longest_sleep: Duration) -> Metrics {
+        Metrics {
             registry: Registry::default(),
             leading: Gauge::default(),
             token: Gauge::default(),
@@ -75,51 +121,51 @@ impl Metrics {
             alive_ms: AtomicU64::new(0),
             started: Instant::now(),
             longest_sleep,
-        };
+            shards: Vec::new(),
+        }
+    }
+
+    fn register(&self, registry: &mut Registry) {
         registry.register(
             "leading",
             "1 while this replica leads, else 0",
-            metrics.leading.clone(),
+            self.leading.clone(),
         );
         registry.register(
             "token",
             "The fencing token of the current term (0 when not leading)",
-            metrics.token.clone(),
+            self.token.clone(),
         );
         registry.register(
             "terms_started",
             "Terms this replica has begun (acquisitions); each also ends once, by reason",
-            metrics.terms_started.clone(),
+            self.terms_started.clone(),
         );
         registry.register(
             "term_ends",
             "Terms ended, by reason",
-            metrics.term_ends.clone(),
+            self.term_ends.clone(),
         );
         registry.register(
             "renewal_failures",
             "Renewals that could not reach the backend",
-            metrics.renewal_failures.clone(),
+            self.renewal_failures.clone(),
         );
         registry.register(
             "backend_errors",
             "Backend calls that could not reach the backend",
-            metrics.backend_errors.clone(),
+            self.backend_errors.clone(),
         );
         registry.register(
             "backend_calls",
             "Calls made to the backend (attempts, renewals, releases, heartbeats)",
-            metrics.backend_calls.clone(),
+            self.backend_calls.clone(),
         );
         registry.register(
             "last_handover_seconds",
             "From the wake-up that led to the last acquisition to its command's start",
-            metrics.last_handover.clone(),
+            self.last_handover.clone(),
         );
-        Arc::new(Metrics {
-            registry,
-            ..metrics
-        })
     }
 
     /// A term began: the lease was acquired with `token`. Every term that
@@ -161,6 +207,10 @@ impl Metrics {
             .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
+    fn leads(&self) -> bool {
+        self.leading.get() == 1 || self.shards.iter().any(|shard| shard.leads())
+    }
+
     fn healthy(&self) -> bool {
         let last = Duration::from_millis(self.alive_ms.load(Ordering::Relaxed));
         self.started.elapsed().saturating_sub(last)
@@ -184,9 +234,7 @@ impl Metrics {
                     ),
                 }
             }
-            "/leader" if self.leading.get() == 1 => {
-                (StatusCode::OK, "text/plain", "leader\n".into())
-            }
+            "/leader" if self.leads() => (StatusCode::OK, "text/plain", "leader\n".into()),
             "/leader" => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "text/plain",

@@ -15,6 +15,7 @@ use crate::error::{ConfigError, Exit};
 use crate::log;
 use crate::metrics::{self, Metrics};
 use crate::process::{self, Containment, Guard, Host};
+use crate::shard;
 use crate::signals::{SignalEvent, Signals};
 use crate::spec::{KeySource, Spec};
 use crate::supervisor::{Health, HostEvent, LeaseSpec, Supervisor};
@@ -64,25 +65,50 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
             .capabilities()
             .require_fence_advance(spec.backend.as_ref())?;
     }
-    let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
-    let store = Counted::wrap(
-        spec.backend.lease(LeaseConfig {
-            key: spec.key.clone(),
-            me: Identity::new(&spec.owner),
-            ttl: spec.timing.ttl,
-            call_timeout: spec.timing.call_timeout(),
-        })?,
-        metrics.backend_calls(),
-    );
+    let leases = match spec.shards {
+        None => {
+            let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
+            let store = Counted::wrap(
+                spec.backend.lease(LeaseConfig {
+                    key: spec.key.clone(),
+                    me: Identity::new(&spec.owner),
+                    ttl: spec.timing.ttl,
+                    call_timeout: spec.timing.call_timeout(),
+                })?,
+                metrics.backend_calls(),
+            );
+            Leases::One(store, metrics)
+        }
+        Some(n) => {
+            process::raise_descriptor_limit();
+            Leases::Shards(shard::Leases::open(
+                spec.backend.as_ref(),
+                &spec.key,
+                &spec.owner,
+                n,
+                &spec.timing,
+            )?)
+        }
+    };
     // The keeper is this very binary, run again: /proc/self/exe names it
     // even if the file was replaced since.
     let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
     // The guard must be forked while the process still has one thread. As
     // PID 1 it is not needed: the kernel kills the whole namespace with us.
+    let (stores, membership) = match &leases {
+        Leases::One(store, _) => (vec![store.clone()], None),
+        // Lease 0 is the key's own, which never has a term.
+        Leases::Shards(shards) => (
+            std::iter::once(shards.membership.clone())
+                .chain(shards.shards.iter().cloned())
+                .collect(),
+            Some(shards.membership.clone()),
+        ),
+    };
     let guard: Option<Guard> = if std::process::id() == 1 {
         None
     } else {
-        Guard::start(containment.cgroups(), vec![store.clone()])
+        Guard::start(containment.cgroups(), stores, membership)
             .inspect_err(|e| warn!(error = %e, "cannot start the guard process; a term's processes may outlive a killed leaderrun"))
             .ok()
     };
@@ -100,7 +126,11 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     let exit = runtime.block_on(async {
         let signals = Signals::register().context("cannot register signal handlers")?;
         if let Some(address) = &spec.metrics_addr {
-            metrics::serve(address, metrics.clone())?;
+            let served = match &leases {
+                Leases::One(_, metrics) => metrics.clone(),
+                Leases::Shards(shards) => shards.replica_metrics.clone(),
+            };
+            metrics::serve(address, served)?;
         }
         info!(backend = %spec.backend, containment = %containment.describe(), "starting");
         let host = Host::new(containment.clone(), guard);
@@ -125,11 +155,23 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
                 .map(|name| name.to_string())
                 .collect(),
         };
-        let supervisor =
-            Supervisor::new(lease, store, host.clone(), receiver, Health::new(metrics));
-        tokio::select! {
-            ended = supervisor.run() => Ok::<_, Failure>(ended?),
-            never = serve_signals(host, signals, vec![events]) => match never {},
+        match leases {
+            Leases::One(store, metrics) => {
+                let supervisor =
+                    Supervisor::new(lease, store, host.clone(), receiver, Health::new(metrics));
+                tokio::select! {
+                    ended = supervisor.run() => Ok::<_, Failure>(ended?),
+                    never = serve_signals(host, signals, vec![events]) => match never {},
+                }
+            }
+            Leases::Shards(shards) => {
+                drop(receiver);
+                let (senders, run) = shard::lead(shards, lease, host.clone());
+                tokio::select! {
+                    ended = run => Ok::<_, Failure>(ended?),
+                    never = serve_signals(host, signals, senders) => match never {},
+                }
+            }
         }
     });
     // A backend call abandoned at its timeout may still occupy a blocking
@@ -141,6 +183,15 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
         containment.remove();
     }
     exit
+}
+
+/// What a run leads: one lease, or the shards of one key.
+enum Leases {
+    One(
+        std::sync::Arc<dyn crate::backend::LeaseStore>,
+        std::sync::Arc<Metrics>,
+    ),
+    Shards(shard::Leases),
 }
 
 /// The host's signal loop: reaps on SIGCHLD, and passes stop and forwarded

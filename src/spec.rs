@@ -33,8 +33,13 @@ pub struct Spec {
     pub require_fence_advance: bool,
     pub metrics_addr: Option<String>,
     pub containment: ContainmentMode,
+    /// Shard mode (`--shards N`): the shard count.
+    pub shards: Option<u32>,
     pub command: Vec<OsString>,
 }
+
+/// The largest shard count: 4096 leases per replica at most.
+pub const MAX_SHARDS: u32 = 4096;
 
 /// Where the key came from: a nested leaderrun must not take its parent's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +77,11 @@ impl Spec {
             (false, Some(d)) => Wait::For(bounded("--wait", d)?),
             (false, None) => Wait::Forever,
         };
+        let shards = args
+            .shards
+            .as_deref()
+            .map(|text| parse_shards(text, wait))
+            .transpose()?;
         Ok(Spec {
             key,
             backend: parse_backend(&args.lease)?,
@@ -86,6 +96,7 @@ impl Spec {
             require_fence_advance: args.require_fence_advance,
             metrics_addr: args.metrics_addr,
             containment: args.containment,
+            shards,
             command: args.command,
         })
     }
@@ -99,6 +110,28 @@ pub fn parse_backend(args: &LeaseArgs) -> Result<Arc<dyn Backend>, ConfigError> 
         sentinel_password: args.sentinel_password.clone(),
     };
     backend::parse(args.backend.as_deref(), &options)
+}
+
+/// `--shards N`: 1 to 4096. Shard mode runs until stopped (a replica
+/// without a shard is a spare), so a wait to give up after means nothing.
+fn parse_shards(text: &str, wait: Wait) -> Result<u32, ConfigError> {
+    let refused = |why| ConfigError::Shards {
+        value: text.to_owned(),
+        why,
+    };
+    let n: u32 = text
+        .trim()
+        .parse()
+        .map_err(|_| refused("expected a whole number of shards from 1 to 4096"))?;
+    if !(1..=MAX_SHARDS).contains(&n) {
+        return Err(refused("the shard count must be from 1 to 4096"));
+    }
+    if wait != Wait::Forever {
+        return Err(refused(
+            "shard mode runs until stopped (a replica without a shard is a spare), so --no-wait and --wait do not apply; drop them",
+        ));
+    }
+    Ok(n)
 }
 
 /// A key: 1–200 bytes, no whitespace or control characters.

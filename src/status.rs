@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use crate::backend::{Observation, StoreError, unix_ms};
+use crate::backend::{Holder, Observation, StoreError, unix_ms};
 use crate::cli::StatusArgs;
 use crate::error::Exit;
 use crate::log;
 use crate::run::Failure;
+use crate::shard::shard_key;
 use crate::spec::{parse_backend, parse_key};
 
 /// How long `status` waits for the backend.
@@ -28,6 +29,47 @@ pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
     runtime.block_on(async {
         let store = backend.observer(&key, STATUS_TIMEOUT)?;
         match store.observe().await {
+            Ok(observation) if shard_count(&observation).is_some() => {
+                let n = shard_count(&observation).unwrap_or_default();
+                let shards = futures_util::future::join_all((0..n).map(|shard| {
+                    let backend = backend.clone();
+                    let key = shard_key(&key, shard);
+                    async move {
+                        let store = backend.observer(&key, STATUS_TIMEOUT)?;
+                        match store.observe().await {
+                            Ok(seen) => Ok(seen.holder),
+                            Err(StoreError::Unreachable(error)) => Err(Failure::from(
+                                anyhow::anyhow!("backend {backend} unreachable: {error:#}"),
+                            )),
+                            Err(StoreError::Fatal(fatal)) => Err(fatal.into()),
+                        }
+                    }
+                }))
+                .await
+                .into_iter()
+                .collect::<Result<Vec<_>, Failure>>();
+                let shards = match shards {
+                    Ok(shards) => shards,
+                    Err(Failure::Internal(error)) => {
+                        eprintln!("leaderrun: error: {error:#}");
+                        return Ok(Exit::Unreachable);
+                    }
+                    Err(other) => return Err(other),
+                };
+                print!(
+                    "{}",
+                    if args.json {
+                        shards_json(&key, &shards, &observation)
+                    } else {
+                        shards_text(&key, &shards, &observation)
+                    }
+                );
+                Ok(if shards.iter().all(Option::is_some) {
+                    Exit::Child(0)
+                } else {
+                    Exit::Free
+                })
+            }
             Ok(observation) => {
                 let text = if args.json {
                     json(&key, &observation)
@@ -50,23 +92,87 @@ pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
     })
 }
 
+/// Shard mode: the shard count of the key's oldest replica that runs in
+/// shard mode, if any does.
+fn shard_count(observation: &Observation) -> Option<u32> {
+    observation.candidates.iter().find_map(|c| c.shards)
+}
+
+fn left(holder: &Holder) -> String {
+    holder
+        .expires_in
+        .map_or("unknown".into(), |d| format!("{:.3}s", d.as_secs_f64()))
+}
+
+fn shards_text(key: &str, shards: &[Option<Holder>], observation: &Observation) -> String {
+    let held = shards.iter().flatten().count();
+    let mut out = format!(
+        "key:        {key}\nshards:     {} ({held} held)\n",
+        shards.len()
+    );
+    for (shard, holder) in shards.iter().enumerate() {
+        let _ = match holder {
+            Some(h) => writeln!(
+                out,
+                "  shard {shard}: {}, token {}, expires in {}",
+                h.owner,
+                h.token,
+                left(h)
+            ),
+            None => writeln!(out, "  shard {shard}: free"),
+        };
+    }
+    out + &candidates_text(observation)
+}
+
+fn shards_json(key: &str, shards: &[Option<Holder>], observation: &Observation) -> String {
+    let quote = log::json_string;
+    let each: Vec<String> = shards
+        .iter()
+        .enumerate()
+        .map(|(shard, holder)| match holder {
+            Some(h) => format!(
+                "{{\"shard\":{shard},\"held\":true,\"holder\":{},\"token\":{},\"expires_in_ms\":{}}}",
+                quote(&h.owner),
+                h.token,
+                h.expires_in
+                    .map_or("null".into(), |d| d.as_millis().to_string())
+            ),
+            None => format!(
+                "{{\"shard\":{shard},\"held\":false,\"holder\":null,\"token\":null,\"expires_in_ms\":null}}"
+            ),
+        })
+        .collect();
+    format!(
+        "{{\"key\":{},\"shards\":{},\"held\":{},\"by_shard\":[{}],\"candidates\":[{}]}}\n",
+        quote(key),
+        shards.len(),
+        shards.iter().flatten().count(),
+        each.join(","),
+        candidates_json(observation)
+    )
+}
+
 fn text(key: &str, observation: &Observation) -> String {
     let mut out = format!("key:        {key}\n");
     match &observation.holder {
         Some(holder) => {
-            let left = holder
-                .expires_in
-                .map_or("unknown".into(), |d| format!("{:.3}s", d.as_secs_f64()));
             let _ = write!(
                 out,
-                "holder:     {}\ntoken:      {}\nexpires:    in {left}\n",
-                holder.owner, holder.token
+                "holder:     {}\ntoken:      {}\nexpires:    in {}\n",
+                holder.owner,
+                holder.token,
+                left(holder)
             );
         }
         None => out.push_str("holder:     none (the lease is free)\n"),
     }
     let _ = writeln!(out, "counter:    {}", observation.counter);
-    let _ = writeln!(out, "candidates: {}", observation.candidates.len());
+    out + &candidates_text(observation)
+}
+
+fn candidates_text(observation: &Observation) -> String {
+    let mut out = format!("candidates: {}\n", observation.candidates.len());
     let now = unix_ms();
     let seconds = |ms: u64| format!("{:.1}s", now.saturating_sub(ms) as f64 / 1000.0);
     for c in &observation.candidates {
@@ -84,6 +190,27 @@ fn text(key: &str, observation: &Observation) -> String {
     out
 }
 
+fn candidates_json(observation: &Observation) -> String {
+    let quote = log::json_string;
+    let candidates: Vec<String> = observation
+        .candidates
+        .iter()
+        .map(|c| {
+            format!(
+                "{{\"owner\":{},\"host\":{},\"pid\":{},\"since_ms\":{},\"last_seen_ms\":{},\"leading\":{},\"shards\":{}}}",
+                quote(&c.owner),
+                quote(&c.host),
+                c.pid,
+                c.since_ms,
+                c.last_seen_ms,
+                c.leading,
+                c.shards.map_or("null".into(), |n| n.to_string()),
+            )
+        })
+        .collect();
+    candidates.join(",")
+}
+
 /// One JSON object; the field names are documented in the README and stable.
 fn json(key: &str, observation: &Observation) -> String {
     let quote = log::json_string;
@@ -98,25 +225,10 @@ fn json(key: &str, observation: &Observation) -> String {
         ),
         None => "\"held\":false,\"holder\":null,\"token\":null,\"expires_in_ms\":null".into(),
     };
-    let candidates: Vec<String> = observation
-        .candidates
-        .iter()
-        .map(|c| {
-            format!(
-                "{{\"owner\":{},\"host\":{},\"pid\":{},\"since_ms\":{},\"last_seen_ms\":{},\"leading\":{}}}",
-                quote(&c.owner),
-                quote(&c.host),
-                c.pid,
-                c.since_ms,
-                c.last_seen_ms,
-                c.leading
-            )
-        })
-        .collect();
     format!(
         "{{\"key\":{},{holder},\"counter\":{},\"candidates\":[{}]}}\n",
         quote(key),
         observation.counter,
-        candidates.join(",")
+        candidates_json(observation)
     )
 }

@@ -191,6 +191,7 @@ impl MemoryStore {
                     since_ms: me.since_ms,
                     last_seen_ms: unix_ms(),
                     leading,
+                    shards: me.shards,
                 },
                 now + lease.ttl,
             ),

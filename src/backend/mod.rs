@@ -213,6 +213,8 @@ pub struct Candidate {
     /// Unix time (ms) of its last heartbeat.
     pub last_seen_ms: u64,
     pub leading: bool,
+    /// The shard count it runs with (`--shards`), or None for one lease.
+    pub shards: Option<u32>,
 }
 
 /// Who this replica is, in lease and candidate records.
@@ -224,6 +226,9 @@ pub struct Identity {
     pub host: String,
     pub pid: u32,
     pub since_ms: u64,
+    /// The shard count it runs with (`--shards`), carried in its candidate
+    /// records so replicas started with another count are told apart.
+    pub shards: Option<u32>,
 }
 
 impl Identity {
@@ -239,7 +244,29 @@ impl Identity {
             host,
             pid: std::process::id(),
             since_ms: unix_ms(),
+            shards: None,
         }
+    }
+
+    /// The host field of this replica's candidate records: the host name,
+    /// and in shard mode the shard count after it (`box/shards=8`). Host
+    /// names have no '/', so every backend stores the count in the host
+    /// text it already keeps, and `split_record_host` reads it back.
+    pub fn record_host(&self) -> String {
+        match self.shards {
+            Some(n) => format!("{}{SHARDS_MARK}{n}", self.host),
+            None => self.host.clone(),
+        }
+    }
+}
+
+const SHARDS_MARK: &str = "/shards=";
+
+/// The host name and the shard count of a candidate record's host field.
+pub fn split_record_host(field: &str) -> (String, Option<u32>) {
+    match field.split_once(SHARDS_MARK) {
+        Some((host, n)) => (host.to_owned(), n.parse().ok()),
+        None => (field.to_owned(), None),
     }
 }
 

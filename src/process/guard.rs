@@ -103,6 +103,9 @@ struct Charge {
     cgroups: Option<(PathBuf, String)>,
     /// The lease stores, by lease number, as they were at the fork.
     stores: Vec<Arc<dyn LeaseStore>>,
+    /// Shard mode: the replica's membership record, withdrawn before the
+    /// shards are released, so the replica a release wakes sees it gone.
+    membership: Option<Arc<dyn LeaseStore>>,
 }
 
 impl Guard {
@@ -114,6 +117,7 @@ impl Guard {
     pub fn start(
         cgroups: Option<(&Path, &str)>,
         stores: Vec<Arc<dyn LeaseStore>>,
+        membership: Option<Arc<dyn LeaseStore>>,
     ) -> io::Result<Guard> {
         let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let devnull = std::fs::OpenOptions::new()
@@ -123,6 +127,7 @@ impl Guard {
         let charge = Charge {
             cgroups: cgroups.map(|(parent, prefix)| (parent.to_path_buf(), prefix.to_owned())),
             stores,
+            membership,
         };
         // SAFETY: the process is single-threaded here (documented contract),
         // so the forked children may run arbitrary code.
@@ -181,6 +186,7 @@ fn guard_main(reader: RawFd, devnull: RawFd, charge: Charge) -> ! {
     let keep: Vec<RawFd> = charge
         .stores
         .iter()
+        .chain(&charge.membership)
         .flat_map(|store| store.keep_fds())
         .collect();
     // SAFETY: system calls on descriptors this process owns.
@@ -274,15 +280,16 @@ fn guard_main(reader: RawFd, devnull: RawFd, charge: Charge) -> ! {
         .enumerate()
         .filter_map(|(lease, token)| token.map(|t| (lease, t)))
         .collect();
-    if cleared && !running.is_empty() {
-        release(&charge.stores, &running);
+    if cleared && (!running.is_empty() || charge.membership.is_some()) {
+        release(&charge, &running);
     }
     // SAFETY: ends this process without running the parent's exit handlers.
     unsafe { libc::_exit(0) }
 }
 
-/// Releases the lease of each running term, on a runtime of the guard's own.
-fn release(stores: &[Arc<dyn LeaseStore>], running: &[(usize, u64)]) {
+/// Releases the lease of each running term, on a runtime of the guard's own;
+/// in shard mode, withdraws the replica's membership record first.
+fn release(charge: &Charge, running: &[(usize, u64)]) {
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -290,11 +297,17 @@ fn release(stores: &[Arc<dyn LeaseStore>], running: &[(usize, u64)]) {
         return;
     };
     runtime.block_on(async {
-        for &(lease, token) in running {
-            // The store bounds the call; a failure only means the lease
-            // lapses at its expiry, as it would have without the guard.
-            let _ = stores[lease].release(token).await;
+        if let Some(membership) = &charge.membership {
+            let _ = membership.withdraw().await;
         }
+        // Each store bounds its call; a failure only means the lease lapses
+        // at its expiry, as it would have without the guard.
+        futures_util::future::join_all(
+            running
+                .iter()
+                .map(|&(lease, token)| charge.stores[lease].release(token)),
+        )
+        .await;
     });
     runtime.shutdown_background();
 }

@@ -132,6 +132,38 @@ impl Host {
     }
 }
 
+/// One lease's view of the host, in a leaderrun that runs several (shard
+/// mode): its terms tell the guard their lease's number, and its commands
+/// never take the terminal (several run at once).
+#[derive(Clone)]
+pub struct LeaseHost {
+    pub host: Rc<Host>,
+    pub lease: u32,
+}
+
+impl Processes for LeaseHost {
+    type Unit = Unit;
+
+    fn prepare(&self) {
+        self.host.prepare();
+    }
+
+    fn term(&self, token: Option<u64>) {
+        if let Some(guard) = &self.host.guard {
+            guard.term(self.lease, token);
+        }
+    }
+
+    async fn spawn(&self, what: Spawn<'_>) -> io::Result<Unit> {
+        self.host
+            .spawn(Spawn {
+                terminal: false,
+                ..what
+            })
+            .await
+    }
+}
+
 impl Processes for Rc<Host> {
     type Unit = Unit;
 

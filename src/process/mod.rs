@@ -32,7 +32,7 @@ use nix::sys::wait::WaitStatus;
 use nix::unistd::{AccessFlags, access};
 
 pub use guard::Guard;
-pub use host::{Host, ProcessUnit, Processes, Scope, Spawn, Unit, UnitEvent};
+pub use host::{Host, LeaseHost, ProcessUnit, Processes, Scope, Spawn, Unit, UnitEvent};
 pub use keeper::{KEEPER_ENV, main as keeper_main};
 pub use terminal::reclaim as reclaim_terminal;
 
@@ -80,6 +80,19 @@ fn executable(path: &Path) -> bool {
 /// re-parented to leaderrun instead of init, so it is still reaped here.
 pub fn become_subreaper() -> io::Result<()> {
     nix::sys::prctl::set_child_subreaper(true).map_err(io::Error::from)
+}
+
+/// Shard mode keeps descriptors per shard (a lease file, a connection):
+/// raises the soft limit on open descriptors to the hard one (at most
+/// 65536). The commands inherit it. Best effort: on failure the limit stays.
+pub fn raise_descriptor_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let wanted = hard.min(65536);
+        if soft < wanted {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, wanted, hard);
+        }
+    }
 }
 
 /// The exit status leaderrun passes on: the child's code, or 128+N if it

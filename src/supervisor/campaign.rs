@@ -91,10 +91,23 @@ impl<P: Processes> Supervisor<P> {
                     Wake::GaveUp => return self.give_up(),
                 }
             }
+            // Shard mode: an attempt needs a slot of the replica's share.
+            match self.slot().await {
+                Wake::Attempt => {}
+                Wake::Stopped => return Campaign::Stopped,
+                Wake::GaveUp => return self.give_up(),
+            }
+            let attempted = self.attempt(give_up_at).await;
+            if let Some(role) = &mut self.shard {
+                if !matches!(attempted, Ok((Attempt::Acquired { .. }, _))) {
+                    role.gate.unreserve();
+                    role.slot = false;
+                }
+            }
             // Release notices may cut a wait short, but not a hold-off's:
             // the lease is not to be taken before it ends.
             let mut notices = true;
-            let wake_at = match self.attempt(give_up_at).await {
+            let wake_at = match attempted {
                 Ok((Attempt::Acquired { token }, sent_at)) => {
                     self.health.reachable();
                     return Campaign::Acquired {
@@ -218,6 +231,45 @@ impl<P: Processes> Supervisor<P> {
         })
     }
 
+    /// Shard mode: takes a slot of the replica's share for the next attempt,
+    /// waiting for room if there is none. Out of room, the supervisor makes
+    /// no requests; a release of its shard (which may mean a replica left)
+    /// asks the balancer for a fresh look at the replicas.
+    async fn slot(&mut self) -> Wake {
+        let Some(role) = &self.shard else {
+            return Wake::Attempt;
+        };
+        if role.slot || role.gate.try_reserve() {
+            self.set_slot();
+            return Wake::Attempt;
+        }
+        let gate = role.gate.clone();
+        loop {
+            tokio::select! {
+                biased;
+                event = self.events.recv() => match event {
+                    Some(HostEvent::Stop(signal)) => {
+                        info!(signal = signal.as_str(), "stopped while following");
+                        return Wake::Stopped;
+                    }
+                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
+                    None => return Wake::Stopped,
+                },
+                () = gate.room() => if gate.try_reserve() {
+                    self.set_slot();
+                    return Wake::Attempt;
+                },
+                () = self.store.notice() => gate.ask_refresh(),
+            }
+        }
+    }
+
+    fn set_slot(&mut self) {
+        if let Some(role) = &mut self.shard {
+            role.slot = true;
+        }
+    }
+
     /// Waits while following until `at`, a release notice (when `notices`),
     /// the --wait deadline, or a stop signal.
     async fn wait(&mut self, at: Instant, give_up_at: Option<Instant>, notices: bool) -> Wake {
@@ -230,7 +282,7 @@ impl<P: Processes> Supervisor<P> {
                         info!(signal = signal.as_str(), "stopped while following");
                         return Wake::Stopped;
                     }
-                    Some(HostEvent::Forward(_)) => {}
+                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
                     None => return Wake::Stopped,
                 },
                 () = sleep_until(give_up_at.unwrap_or(at)), if give_up_at.is_some_and(|g| g <= at) => return Wake::GaveUp,
@@ -255,7 +307,7 @@ impl<P: Processes> Supervisor<P> {
                         info!(signal = signal.as_str(), "stopped while following");
                         return Err(AttemptError::Stopped);
                     }
-                    Some(HostEvent::Forward(_)) => {}
+                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
                     None => return Err(AttemptError::Stopped),
                 },
                 () = sleep_until(give_up_at.unwrap_or_else(Instant::now)), if give_up_at.is_some() => {
@@ -340,7 +392,7 @@ impl<P: Processes> Supervisor<P> {
                         info!(signal = signal.as_str(), "stopped while following");
                         break Err(AttemptError::Stopped);
                     }
-                    Some(HostEvent::Forward(_)) => {}
+                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
                     None => break Err(AttemptError::Stopped),
                 },
                 read = output.read(&mut buf), if !eof => match read {

@@ -190,6 +190,7 @@ pub async fn run<P: Processes>(
                     debug!(token, signal = signal.as_str(), "signal forwarded");
                     Some(Event::Forward(signal))
                 }
+                Some(HostEvent::Resign) => Some(Event::Resign),
                 // The host is gone: the process is ending.
                 None => Some(Event::Stop(nix::sys::signal::Signal::SIGTERM)),
             },

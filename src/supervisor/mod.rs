@@ -11,6 +11,7 @@
 
 mod campaign;
 pub mod driver;
+mod gate;
 mod health;
 pub mod term;
 #[cfg(test)]
@@ -18,6 +19,7 @@ mod timeline_tests;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +29,7 @@ use tokio::time::Instant;
 use tracing::{debug, error, info};
 
 use self::campaign::Campaign;
+pub use self::gate::Gate;
 pub use self::health::Health;
 use self::term::{EndReason, TermSettings};
 use crate::backend::{Fatal, LeaseStore, StoreError};
@@ -48,6 +51,9 @@ pub enum HostEvent {
     Stop(Signal),
     /// SIGHUP, SIGUSR1, SIGUSR2 or SIGWINCH: pass on; the term goes on.
     Forward(Signal),
+    /// Shard mode: hand this shard over (the replica holds more than its
+    /// share); the supervisor goes on.
+    Resign,
 }
 
 /// How long to campaign before giving up.
@@ -91,6 +97,17 @@ pub struct Supervisor<P: Processes> {
     /// The acquisition attempt: a retry of one whose reply was lost keeps
     /// its number; every term uses up one.
     attempt: u64,
+    /// Shard mode: this lease's shard, and the replica's share it attempts
+    /// within.
+    shard: Option<ShardRole>,
+}
+
+/// A shard's supervisor's part in its replica's share.
+struct ShardRole {
+    index: u32,
+    gate: Rc<Gate>,
+    /// It holds a reserved slot of the gate's (for its next attempt).
+    slot: bool,
 }
 
 impl<P: Processes> Supervisor<P> {
@@ -117,14 +134,32 @@ impl<P: Processes> Supervisor<P> {
             health,
             env,
             attempt: 1,
+            shard: None,
         }
+    }
+
+    /// Shard mode: this supervisor runs shard `shard`, attempting only with
+    /// a slot of `gate`'s; it runs until stopped (a command that exits ends
+    /// its term only), and its backend was checked once for all shards.
+    pub fn in_shard(mut self, shard: u32, gate: Rc<Gate>) -> Supervisor<P> {
+        self.shard = Some(ShardRole {
+            index: shard,
+            gate,
+            slot: false,
+        });
+        self
     }
 
     /// Campaigns and leads until the command is done, a stop signal, or the
     /// wait runs out. A refusal of the backend's that no retry can fix ends
     /// it as `Err`.
     pub async fn run(mut self) -> Result<Exit, Fatal> {
-        match self.startup_check().await {
+        let checked = if self.shard.is_some() {
+            Ok(None)
+        } else {
+            self.startup_check().await
+        };
+        match checked {
             Err(fatal) => {
                 error!(error = %fatal, "the backend refused");
                 return Err(fatal);
@@ -166,6 +201,10 @@ impl<P: Processes> Supervisor<P> {
                 }
             };
             self.attempt += 1;
+            if let Some(role) = &mut self.shard {
+                role.gate.term_began(role.index);
+                role.slot = false;
+            }
             let settings = TermSettings {
                 timing: self.spec.timing,
                 yield_signal: self.spec.yield_signal,
@@ -190,6 +229,22 @@ impl<P: Processes> Supervisor<P> {
             )
             .await;
             let end = outcome.end;
+            if let Some(role) = &mut self.shard {
+                // A command that exited keeps its slot for the same
+                // shard's next attempt, a campaign period later.
+                let again = end.reason == EndReason::ChildExited && !end.stopped;
+                role.gate.term_over(role.index, again);
+                role.slot = again;
+                if end.stopped {
+                    return Ok(Exit::Stopped);
+                }
+                if outcome.refused.is_none() {
+                    if again || end.reason == EndReason::ClaimRefused {
+                        not_before = Some(Instant::now() + self.spec.timing.campaign_every);
+                    }
+                    continue;
+                }
+            }
             if let Some(refused) = outcome.refused {
                 let fatal = match refused {
                     StoreError::Fatal(fatal) => fatal,
@@ -213,7 +268,7 @@ impl<P: Processes> Supervisor<P> {
                     // not in a tight loop.
                     not_before = Some(Instant::now() + self.spec.timing.campaign_every);
                 }
-                (EndReason::Deadline | EndReason::Lost, _) => {}
+                (EndReason::Deadline | EndReason::Lost | EndReason::Resigned, _) => {}
             }
         }
     }

@@ -35,6 +35,9 @@ pub enum EndReason {
     ChildExited,
     /// The claim command failed or did not finish before the yield point.
     ClaimRefused,
+    /// The lease was handed over on purpose: a shard over this replica's
+    /// share (shard mode).
+    Resigned,
 }
 
 impl EndReason {
@@ -45,6 +48,7 @@ impl EndReason {
             EndReason::Lost => "lost",
             EndReason::ChildExited => "child exited",
             EndReason::ClaimRefused => "claim refused",
+            EndReason::Resigned => "handed over",
         }
     }
 }
@@ -95,6 +99,9 @@ pub enum Event {
     Stop(Signal),
     /// A signal to pass on to the program's group.
     Forward(Signal),
+    /// Hand the lease over: end the term as a stop does (the yield signal,
+    /// the kill after the grace, the release), but the replica goes on.
+    Resign,
 }
 
 /// What to do.
@@ -346,6 +353,7 @@ impl Term {
                 self.lost(now, actions);
             }
             Event::Stop(signal) => self.stop(signal, now, actions),
+            Event::Resign => self.resign(now, actions),
             Event::Forward(signal) => {
                 if self.processes_alive() && !self.program_exited {
                     actions.push(Action::Signal(signal, Scope::Group));
@@ -484,6 +492,21 @@ impl Term {
             }
             Phase::Holding => self.finish(EndReason::ChildExited, actions),
             Phase::Ending { .. } | Phase::Done(_) => {}
+        }
+    }
+
+    fn resign(&mut self, now: Instant, actions: &mut Vec<Action>) {
+        if self.stopping {
+            return;
+        }
+        let kill_at = self.settings.timing.early_kill_at(now, &self.deadlines);
+        match self.phase {
+            Phase::Claiming { .. } | Phase::Running => {
+                self.begin_ending(EndReason::Resigned, kill_at, now, actions);
+            }
+            Phase::Holding => self.finish(EndReason::Resigned, actions),
+            // Ending already, or the command exited (its own end comes).
+            Phase::Exited { .. } | Phase::Ending { .. } | Phase::Done(_) => {}
         }
     }
 

@@ -50,6 +50,7 @@ use self::url::EtcdUrl;
 use super::{
     Attempt, Backend, BackendOptions, Bounded, Call, Candidate, Capabilities, Fatal, Holder,
     Identity, LeaseConfig, LeaseStore, Observation, RenewError, StoreError, Unreachable,
+    split_record_host,
 };
 use crate::error::ConfigError;
 
@@ -417,7 +418,7 @@ impl EtcdStore {
             super::unix_ms(),
             u8::from(leading),
             self.me.pid,
-            self.me.host,
+            self.me.record_host(),
             self.me.owner
         )
     }
@@ -647,9 +648,11 @@ impl EtcdStore {
                 let mut next = || parts.next().unwrap_or_default().to_owned();
                 let (since, seen, leading, pid, host, owner) =
                     (next(), next(), next(), next(), next(), next());
+                let (host, shards) = split_record_host(&host);
                 Some(Candidate {
                     owner,
                     host,
+                    shards,
                     pid: pid.parse().ok()?,
                     since_ms: since.parse().ok()?,
                     last_seen_ms: seen.parse().ok()?,

@@ -39,6 +39,7 @@ impl Shared {
             since_ms: me.id.since_ms,
             last_seen_ms: unix_ms(),
             leading,
+            shards: me.id.shards,
         };
         let record = CandidateRecord {
             candidate: &candidate,

@@ -105,8 +105,9 @@ pub struct CandidateRecord<'a> {
 impl CandidateRecord<'_> {
     pub fn encode(&self) -> Vec<u8> {
         let c = self.candidate;
+        let shards = c.shards.map_or(String::new(), |n| format!(" shards={n}"));
         pad(seal(format!(
-            "{CANDIDATE} owner={} host={} pid={} since_ms={} seen_ms={} leading={} boot={} expires={}",
+            "{CANDIDATE} owner={} host={} pid={} since_ms={} seen_ms={} leading={} boot={} expires={}{shards}",
             c.owner,
             c.host,
             c.pid,
@@ -132,6 +133,7 @@ pub fn live_candidate(bytes: &[u8], boot_id: &str, now: u64) -> Option<Candidate
         since_ms: fields.number("since_ms")?,
         last_seen_ms: fields.number("seen_ms")?,
         leading: fields.get("leading")? == "1",
+        shards: fields.number("shards").and_then(|n| u32::try_from(n).ok()),
     })
 }
 
@@ -236,6 +238,7 @@ mod tests {
             since_ms: 1,
             last_seen_ms: 2,
             leading: true,
+            shards: Some(8),
         };
         let bytes = CandidateRecord {
             candidate: &candidate,

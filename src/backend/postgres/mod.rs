@@ -39,6 +39,7 @@ use self::url::PostgresUrl;
 use super::{
     Attempt, Backend, BackendOptions, Bounded, Call, Candidate, Capabilities, Fatal, Holder,
     Identity, LeaseConfig, LeaseStore, Observation, RenewError, StoreError, Unreachable,
+    split_record_host,
 };
 use crate::error::ConfigError;
 
@@ -216,11 +217,12 @@ impl PostgresStore {
         more: &[Param<'_>],
     ) -> Result<Vec<tokio_postgres::Row>, StoreError> {
         let record = self.record();
+        let host = self.me.record_host();
         let mut params: Vec<Param<'_>> = vec![
             (&self.key, Type::TEXT),
             (&self.me.instance, Type::TEXT),
             (&self.me.owner, Type::TEXT),
-            (&self.me.host, Type::TEXT),
+            (&host, Type::TEXT),
             (&record.pid, Type::INT4),
             (&record.since, Type::INT8),
             (&self.ttl_ms, Type::INT8),
@@ -572,9 +574,11 @@ impl LeaseStore for PostgresStore {
             let candidates = rows
                 .iter()
                 .map(|row| {
+                    let (host, shards) = split_record_host(row.try_get(1)?);
                     Ok(Candidate {
                         owner: row.try_get(0)?,
-                        host: row.try_get(1)?,
+                        host,
+                        shards,
                         pid: row.try_get::<_, i32>(2)? as u32,
                         since_ms: row.try_get::<_, i64>(3)? as u64,
                         last_seen_ms: row.try_get::<_, i64>(4)? as u64,

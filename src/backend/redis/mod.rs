@@ -52,6 +52,7 @@ use self::url::{Address, RedisUrl};
 use super::{
     Attempt, Backend, BackendOptions, Bounded, Call, Candidate, Capabilities, Fatal, Holder,
     Identity, LeaseConfig, LeaseStore, Observation, RenewError, StoreError, Unreachable,
+    split_record_host,
 };
 use crate::error::ConfigError;
 
@@ -132,7 +133,13 @@ impl RedisBackend {
                 history: key("history"),
                 heldoff: key("heldoff"),
             },
-            record: format!("{} {} {} {}", id.since_ms, id.pid, id.host, id.owner),
+            record: format!(
+                "{} {} {} {}",
+                id.since_ms,
+                id.pid,
+                id.record_host(),
+                id.owner
+            ),
             me: lease.me,
             ttl: lease.ttl,
             highest_seen: AtomicU64::new(0),
@@ -604,13 +611,17 @@ fn parse_candidate(value: &str) -> Option<Candidate> {
     let _expires = parts.next()?;
     let last_seen_ms = parts.next()?.parse().ok()?;
     let leading = parts.next()? == "1";
+    let since_ms = parts.next()?.parse().ok()?;
+    let pid = parts.next()?.parse().ok()?;
+    let (host, shards) = split_record_host(parts.next()?);
     Some(Candidate {
-        since_ms: parts.next()?.parse().ok()?,
-        pid: parts.next()?.parse().ok()?,
-        host: parts.next()?.to_owned(),
+        since_ms,
+        pid,
+        host,
         owner: parts.next()?.to_owned(),
         last_seen_ms,
         leading,
+        shards,
     })
 }
 
@@ -634,6 +645,7 @@ mod tests {
             Candidate {
                 owner: "owner:1".into(),
                 host: "host-a".into(),
+                shards: None,
                 pid: 42,
                 since_ms: 7,
                 last_seen_ms: 8,
