@@ -39,11 +39,16 @@ pub struct Balancer {
     pub metrics: Arc<Metrics>,
 }
 
+/// How long a stop waits for the membership record's removal before it
+/// stops the shards anyway.
+const WITHDRAW_FIRST: Duration = Duration::from_millis(300);
+
 /// A replica by its record: host, pid, start time.
 type Seen = (String, u32, u64);
 
 impl Balancer {
-    /// Runs until a stop signal; withdraws the membership record then, so a
+    /// Runs until the shards are done; passes the host's signals on to every
+    /// shard. On a stop it withdraws the membership record first, so a
     /// replica that a release of one of this replica's shards wakes sees it
     /// gone and takes the shard.
     pub async fn run(mut self) {
@@ -72,15 +77,48 @@ impl Balancer {
             tokio::select! {
                 biased;
                 event = self.events.recv() => match event {
-                    Some(HostEvent::Stop(_)) | None => break,
-                    Some(_) => {}
+                    Some(HostEvent::Stop(signal)) => {
+                        self.depart(Some(signal)).await;
+                        break;
+                    }
+                    None => {
+                        self.depart(None).await;
+                        break;
+                    }
+                    Some(event) => self.to_all(event),
                 },
                 () = sleep(self.every) => {}
                 () = self.gate.refresh_asked() => {}
             }
         }
-        if let Err(e) = self.store.withdraw().await {
-            debug!(error = %e, "cannot remove the membership record; it expires after ttl");
+        // Stopping: later signals (a second stop kills at once) still reach
+        // every shard.
+        while let Some(event) = self.events.recv().await {
+            self.to_all(event);
+        }
+    }
+
+    /// A stop: the membership record goes first (within a short bound), so
+    /// the replica a release of one of this replica's shards wakes sees it
+    /// gone and has room; then every shard's supervisor is told.
+    async fn depart(&self, signal: Option<nix::sys::signal::Signal>) {
+        match tokio::time::timeout(WITHDRAW_FIRST, self.store.withdraw()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                debug!(error = %e, "cannot remove the membership record; it expires after ttl")
+            }
+            Err(_) => debug!(
+                "the membership record is still being removed; stopping the shards meanwhile"
+            ),
+        }
+        if let Some(signal) = signal {
+            self.to_all(HostEvent::Stop(signal));
+        }
+    }
+
+    fn to_all(&self, event: HostEvent) {
+        for supervisor in &self.shards {
+            let _ = supervisor.send(event);
         }
     }
 
@@ -94,6 +132,11 @@ impl Balancer {
     ) -> Share {
         let now = Instant::now();
         let settled = now.checked_sub(self.every).unwrap_or(now);
+        let counted_before: Vec<Seen> = first_seen
+            .iter()
+            .filter(|(_, at)| **at <= settled)
+            .map(|(id, _)| id.clone())
+            .collect();
         let mut current = HashMap::new();
         for c in &seen.candidates {
             let id = (c.host.clone(), c.pid, c.since_ms);
@@ -105,6 +148,8 @@ impl Balancer {
             current.insert(id, at);
         }
         *first_seen = current;
+        let departure = counted_before.iter().any(|id| !first_seen.contains_key(id));
+        self.gate.looked(departure);
         split::share(self.n, &self.me, &seen.candidates, |c| {
             first_seen
                 .get(&(c.host.clone(), c.pid, c.since_ms))

@@ -91,8 +91,8 @@ impl Leases {
 }
 
 /// Runs the replica's shards until a stop signal: each shard's supervisor,
-/// and the balancer. Returns the senders the host's signals go to, and the
-/// run. A backend refusal on one shard (credentials, permissions) stops
+/// and the balancer. Returns the sender the host's signals go to (the
+/// balancer, which passes them on to every shard), and the run. A backend refusal on one shard (credentials, permissions) stops
 /// every shard and is the run's outcome.
 pub fn lead(
     leases: Leases,
@@ -137,8 +137,6 @@ pub fn lead(
         every: lease.timing.renew_every,
         metrics: leases.replica_metrics,
     };
-    let mut all = senders.clone();
-    all.push(to_balancer);
     let membership = leases.membership;
     let run = async move {
         // The backend is asked once for all shards whether it works.
@@ -186,5 +184,5 @@ pub fn lead(
             None => Ok(Exit::Stopped),
         }
     };
-    (all, run)
+    (vec![to_balancer], run)
 }

@@ -128,7 +128,12 @@ impl<P: Processes> Supervisor<P> {
                     // every half ttl (its heartbeat); one that it would not
                     // polls every campaign period. Either wakes at the
                     // holder's known expiry if that comes first.
-                    let period = if self.store.wakes_on_release() {
+                    // In shard mode, a replica below its share polls every
+                    // campaign period: the release it waits for may wake a
+                    // replica at its share instead (which only looks at the
+                    // replicas again), and it wants a shard now.
+                    let wanting = self.shard.as_ref().is_some_and(|r| r.gate.wanting());
+                    let period = if self.store.wakes_on_release() && !wanting {
                         (timing.ttl / 2).max(timing.campaign_every)
                     } else {
                         timing.campaign_every
@@ -244,6 +249,8 @@ impl<P: Processes> Supervisor<P> {
             return Wake::Attempt;
         }
         let gate = role.gate.clone();
+        // Woken by a release: the look at the replicas asked for then.
+        let mut asked: Option<u64> = None;
         loop {
             tokio::select! {
                 biased;
@@ -259,8 +266,31 @@ impl<P: Processes> Supervisor<P> {
                     self.set_slot();
                     return Wake::Attempt;
                 },
-                () = self.store.notice() => gate.ask_refresh(),
+                () = gate.looked_since(asked.unwrap_or_default()), if asked.is_some() => {
+                    asked = None;
+                    if gate.try_reserve() {
+                        self.set_slot();
+                        return Wake::Attempt;
+                    }
+                    if gate.take_pass() {
+                        self.pass_wake().await;
+                    }
+                }
+                () = self.store.notice(), if asked.is_none() => asked = Some(gate.ask_refresh()),
             }
+        }
+    }
+
+    /// Passes on a release's wake this replica cannot use, to the next
+    /// follower in the shard's line: takes the lease and gives it back at
+    /// once (a token is used up; no command runs).
+    async fn pass_wake(&mut self) {
+        let attempt = self.attempt;
+        self.attempt += 1;
+        if let Ok(Attempt::Acquired { token }) = self.store.acquire(attempt).await {
+            self.store.leading();
+            let _ = self.store.release(token).await;
+            debug!(token, "passed a release's wake on to the next follower");
         }
     }
 

@@ -22,6 +22,8 @@ pub struct Gate {
     room: Notify,
     /// A supervisor asks the balancer for a fresh look at the replicas.
     refresh: Notify,
+    /// The balancer looked (see `looks`).
+    looked: Notify,
 }
 
 #[derive(Default)]
@@ -33,6 +35,11 @@ struct State {
     terms: BTreeMap<u32, Instant>,
     /// Shards asked to hand over, whose terms have not ended yet.
     resigning: Vec<u32>,
+    /// The balancer's looks so far; the last one that found a replica gone;
+    /// the departure this replica passed a wake on for.
+    looks: u64,
+    departed_at: u64,
+    passed_for: u64,
 }
 
 impl Gate {
@@ -128,13 +135,51 @@ impl Gate {
     }
 
     /// A supervisor out of room was woken for its shard: the balancer should
-    /// look at the replicas now (one may have left).
-    pub fn ask_refresh(&self) {
+    /// look at the replicas now (one may have left). Returns the number of
+    /// looks so far, for `looked_since`.
+    pub fn ask_refresh(&self) -> u64 {
         self.refresh.notify_one();
+        self.state.borrow().looks
     }
 
     pub async fn refresh_asked(&self) {
         self.refresh.notified().await;
+    }
+
+    /// The balancer looked at the replicas; `departure`: a replica counted
+    /// before is gone.
+    pub fn looked(&self, departure: bool) {
+        let mut state = self.state.borrow_mut();
+        state.looks += 1;
+        if departure {
+            state.departed_at = state.looks;
+        }
+        drop(state);
+        self.looked.notify_waiters();
+    }
+
+    /// Resolves once the balancer has looked after look number `look`.
+    pub async fn looked_since(&self, look: u64) {
+        loop {
+            let notified = self.looked.notified();
+            if self.state.borrow().looks > look {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Whether this replica should pass on the wake it got and cannot use:
+    /// once per departure it saw, so one wake reaches every replica, each of
+    /// which then takes its new share (a release wakes one replica, and the
+    /// same one may be first in every shard's line).
+    pub fn take_pass(&self) -> bool {
+        let mut state = self.state.borrow_mut();
+        let due = state.departed_at > state.passed_for;
+        if due {
+            state.passed_for = state.departed_at;
+        }
+        due
     }
 }
 

@@ -828,10 +828,20 @@ impl LeaseStore for EtcdStore {
         Box::pin(async move {
             self.wake.stop();
             let session = self.session.lock().unwrap().take();
-            if let Some(id) = session {
+            match session {
                 // Its records (and a lease key not released) go with it.
-                self.call("lease/revoke", json!({"ID": id.to_string()}))
-                    .await?;
+                Some(id) => {
+                    self.call("lease/revoke", json!({"ID": id.to_string()}))
+                        .await?;
+                }
+                // A copy of the store made before its session began (the
+                // guard's, forked at startup): its records by name.
+                None => {
+                    for key in [&self.keys.my_candidate, &self.keys.my_place] {
+                        self.call("kv/deleterange", json!({"key": b64(key.as_bytes())}))
+                            .await?;
+                    }
+                }
             }
             Ok(())
         })
