@@ -80,7 +80,9 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
             Leases::One(store, metrics)
         }
         Some(n) => {
-            process::raise_descriptor_limit();
+            if n > 256 {
+                process::raise_descriptor_limit();
+            }
             Leases::Shards(shard::Leases::open(
                 spec.backend.as_ref(),
                 &spec.key,

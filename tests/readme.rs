@@ -85,6 +85,7 @@ fn every_readme_example_runs_as_shown() {
         "invariant",
         "graceful-stop",
         "seed-run",
+        "shards",
     ];
     assert_eq!(
         examples
@@ -131,6 +132,13 @@ fn every_readme_example_runs_as_shown() {
                 assert!(stdout.contains("none (the lease is free)"), "{context}");
             }
             "token-env" => assert_eq!(stdout, "writing with fence 1\n", "{context}"),
+            "shards" => {
+                assert_eq!(code, 0, "{context}");
+                assert_eq!(
+                    stdout, "shard 0 of 3, token 1\nshard 1 of 3, token 1\nshard 2 of 3, token 1\n",
+                    "{context}"
+                );
+            }
             "invariant" => {
                 assert_eq!(code, 2, "{context}");
                 let shown = script.lines().find_map(|l| l.strip_prefix("# ")).unwrap();

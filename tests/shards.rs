@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::etcd_server::EtcdCluster;
+use common::postgres_server::PostgresServer;
 use common::redis_server::RedisServer;
 use common::redis_server::free_port;
 use common::{BIN, Replica, Sandbox, alive, get, wait_until};
@@ -193,6 +194,13 @@ fn shards_split_and_move_on_etcd() {
     let sandbox = Sandbox::new();
     let etcd = EtcdCluster::start(1);
     split_kill_join_stop(&sandbox, etcd.url());
+}
+
+#[test]
+fn shards_split_and_move_on_postgres() {
+    let sandbox = Sandbox::new();
+    let postgres = PostgresServer::start();
+    split_kill_join_stop(&sandbox, postgres.url());
 }
 
 /// A fourth replica joins three that split eight shards: 2/2/2/2.
