@@ -194,9 +194,28 @@ struct Run {
     dir: tempfile::TempDir,
     marker: String,
     backend: Backend,
+    /// Shard mode: every replica runs `--shards N`; each shard publishes to
+    /// a store of its own.
+    shards: Option<u32>,
 }
 
 impl Run {
+    /// The shards' names in the attempts log (`-` for one lease).
+    fn shard_names(&self) -> Vec<String> {
+        match self.shards {
+            Some(n) => (0..n).map(|i| i.to_string()).collect(),
+            None => vec!["-".into()],
+        }
+    }
+
+    /// The store of a shard (`-`: the one lease's).
+    fn db(&self, shard: &str) -> PathBuf {
+        match shard {
+            "-" => self.dir.path().join("digests.db"),
+            shard => self.dir.path().join(format!("digests.{shard}.db")),
+        }
+    }
+
     fn url(&self, replica: Option<usize>) -> String {
         match &self.backend {
             Backend::Redis { server, proxies } => match replica {
@@ -295,7 +314,12 @@ impl Run {
             .output()
             .ok()?;
         let status: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        status["holder"].as_str()?.strip_prefix('r')?.parse().ok()
+        // In shard mode, the replica that runs shard 0.
+        let holder = match self.shards {
+            Some(_) => &status["by_shard"][0]["holder"],
+            None => &status["holder"],
+        };
+        holder.as_str()?.strip_prefix('r')?.parse().ok()
     }
 
     /// Holds the file backend's mutex byte from another process for `d`.
@@ -336,28 +360,42 @@ fn suite(mut run: Run) {
         Backend::Cluster { .. } => "redis cluster",
         Backend::Etcd { .. } => "etcd",
     };
+    let mode = run
+        .shards
+        .map_or(String::new(), |n| format!(" in shard mode ({n} shards)"));
     println!(
-        "chaos on the {name} backend: {seconds} s of faults, seed {seed} (CHAOS_SEED to replay)"
+        "chaos on the {name} backend{mode}: {seconds} s of faults, seed {seed} (CHAOS_SEED to replay)"
     );
-    let db = run.dir.path().join("digests.db");
+    let db = run.db("-");
     let store = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/publisher/store.sh");
-    assert!(
-        Command::new(&store)
-            .arg("init")
-            .env("DIGESTS_DB", &db)
-            .status()
-            .unwrap()
-            .success()
-    );
+    for shard in run.shard_names() {
+        assert!(
+            Command::new(&store)
+                .arg("init")
+                .env("DIGESTS_DB", run.db(&shard))
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
 
     let spawn: Arc<dyn Fn(usize) -> Child + Send + Sync> = {
         let urls: Vec<String> = (0..REPLICAS).map(|i| run.url(Some(i))).collect();
-        let (dir, marker, store, db) = (
+        let (dir, marker, store, db, shards) = (
             run.dir.path().to_owned(),
             run.marker.clone(),
             store.clone(),
             db.clone(),
+            run.shards,
         );
+        // Each shard's claim goes to its shard's store.
+        let claim = match shards {
+            Some(_) => format!(
+                "DIGESTS_DB=\"$CHAOS_DIR/digests.$LEADERRUN_SHARD.db\" {} claim",
+                store.display()
+            ),
+            None => format!("{} claim", store.display()),
+        };
         let publisher = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chaos/publish.sh");
         Arc::new(move |i: usize| {
             let log = std::fs::OpenOptions::new()
@@ -375,8 +413,9 @@ fn suite(mut run: Run) {
                     &format!("r{i}"),
                 ])
                 .args(FAST)
+                .args(shards.map(|n| format!("--shards={n}")))
                 .arg("--claim-cmd")
-                .arg(format!("{} claim", store.display()))
+                .arg(&claim)
                 .arg("--")
                 .arg(&publisher)
                 .env("DIGESTS_DB", &db)
@@ -429,7 +468,7 @@ fn suite(mut run: Run) {
     std::thread::sleep(Duration::from_secs(3));
     fleet.stop();
 
-    let report = analyse(&run, &db, &attempts, &windows, started, faults_over);
+    let report = analyse(&run, &attempts, &windows, started, faults_over);
     let restarts = *fleet.restarts.lock().unwrap();
     let mut counts: BTreeMap<Fault, usize> = BTreeMap::new();
     for w in &windows {
@@ -594,7 +633,9 @@ struct Report {
     stale: usize,
     overlap_ms: BTreeMap<String, f64>,
     violations: Vec<String>,
+    /// The least share of time any shard (or the one lease) was served.
     availability: f64,
+    per_shard: Vec<(String, f64)>,
     orphans: usize,
     torn: usize,
 }
@@ -625,6 +666,14 @@ impl std::fmt::Display for Report {
         if self.torn > 0 {
             writeln!(f, "attempt lines cut short by a kill: {}", self.torn)?;
         }
+        if self.per_shard.len() > 1 {
+            let each: Vec<String> = self
+                .per_shard
+                .iter()
+                .map(|(shard, a)| format!("shard {shard} {:.1}%", a * 100.0))
+                .collect();
+            writeln!(f, "served per shard: {}", each.join(", "))?;
+        }
         write!(
             f,
             "availability: {:.1}% of the time served",
@@ -635,13 +684,71 @@ impl std::fmt::Display for Report {
 
 fn analyse(
     run: &Run,
-    db: &Path,
     attempts: &Path,
     windows: &[Window],
     started: u128,
     faults_over: u128,
 ) -> Report {
-    let mut violations = Vec::new();
+    let text = std::fs::read_to_string(attempts).unwrap();
+    let mut report = Report {
+        accepted: 0,
+        stale: 0,
+        overlap_ms: BTreeMap::new(),
+        violations: Vec::new(),
+        availability: 1.0,
+        per_shard: Vec::new(),
+        orphans: 0,
+        torn: 0,
+    };
+    for shard in run.shard_names() {
+        let lines = text
+            .lines()
+            .filter(|line| line.rsplit(' ').next() == Some(shard.as_str()));
+        let (accepted, stale, availability) = analyse_shard(
+            &run.db(&shard),
+            lines,
+            windows,
+            started,
+            faults_over,
+            &mut report,
+        );
+        report.accepted += accepted;
+        report.stale += stale;
+        report.availability = report.availability.min(availability);
+        report.per_shard.push((shard, availability));
+    }
+
+    // No process of any term left behind.
+    std::thread::sleep(Duration::from_millis(500));
+    let needle = format!("CHAOS_RUN={}", run.marker);
+    let orphans = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+        })
+        .count();
+    if orphans > 0 {
+        report
+            .violations
+            .push(format!("{orphans} processes of the run are still alive"));
+    }
+    report.orphans = orphans;
+    report
+}
+
+/// One lease's (one shard's) writes: the accepted and stale writes in its
+/// store, its overlaps (into `report`), and the share of time it was served.
+fn analyse_shard<'a>(
+    db: &Path,
+    lines: impl Iterator<Item = &'a str>,
+    windows: &[Window],
+    started: u128,
+    faults_over: u128,
+    report: &mut Report,
+) -> (usize, usize, f64) {
+    let violations = &mut report.violations;
 
     // 1. Zero stale writes: accepted tokens never go down.
     let out = Command::new("sqlite3")
@@ -656,17 +763,15 @@ fn analyse(
         .collect();
     let stale = tokens.windows(2).filter(|w| w[1] < w[0]).count();
     if stale > 0 {
-        violations.push(format!("{stale} stale writes accepted"));
+        violations.push(format!("{}: {stale} stale writes accepted", db.display()));
     }
 
     // 2. Overlap of children of different replicas, attributed to faults.
-    let text = std::fs::read_to_string(attempts).unwrap();
     let mut terms: BTreeMap<u32, Term> = BTreeMap::new();
     let mut served = Vec::new();
-    let mut torn = 0;
-    for line in text.lines() {
+    for line in lines {
         let f: Vec<&str> = line.split(' ').collect();
-        let [t, token, accepted, pid, owner] = f[..] else {
+        let [t, token, accepted, pid, owner, _shard] = f[..] else {
             continue;
         };
         // A publisher killed at its term's end can leave a line without its
@@ -674,7 +779,7 @@ fn analyse(
         let (Ok(t), Ok(token), Ok(pid)) =
             (t.parse::<u128>(), token.parse::<u64>(), pid.parse::<u32>())
         else {
-            torn += 1;
+            report.torn += 1;
             continue;
         };
         let term = terms.entry(pid).or_insert(Term {
@@ -690,7 +795,6 @@ fn analyse(
     }
     let terms: Vec<Term> = terms.into_values().collect();
     let ttl = TTL.as_nanos();
-    let mut overlap_ms: BTreeMap<String, f64> = BTreeMap::new();
     for (i, a) in terms.iter().enumerate() {
         for b in &terms[i + 1..] {
             if a.owner == b.owner {
@@ -718,9 +822,9 @@ fn analyse(
                 .find(|w| w.fault.excuses_overlap() && w.start <= to && from <= w.end + ttl)
                 .map(|w| format!("{:?}", w.fault));
             match cause {
-                Some(cause) => *overlap_ms.entry(cause).or_default() += ms,
+                Some(cause) => *report.overlap_ms.entry(cause).or_default() += ms,
                 None => {
-                    *overlap_ms.entry("unexplained".into()).or_default() += ms;
+                    *report.overlap_ms.entry("unexplained".into()).or_default() += ms;
                     violations.push(format!(
                         "{a:?} and {b:?} overlapped {ms:.1} ms with no paused or partitioned leader"
                     ));
@@ -729,22 +833,7 @@ fn analyse(
         }
     }
 
-    // 3. No process of any term left behind.
-    std::thread::sleep(Duration::from_millis(500));
-    let needle = format!("CHAOS_RUN={}", run.marker);
-    let orphans = std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
-        })
-        .count();
-    if orphans > 0 {
-        violations.push(format!("{orphans} processes of the run are still alive"));
-    }
-
-    // 4. Availability: time within 250 ms after an accepted write.
+    // 3. Availability: time within 250 ms after an accepted write.
     served.sort();
     let window = 250_000_000u128;
     let mut covered = 0u128;
@@ -760,15 +849,7 @@ fn analyse(
         }
     }
     let availability = covered as f64 / (faults_over - started) as f64;
-    Report {
-        accepted: tokens.len(),
-        stale,
-        overlap_ms,
-        violations,
-        availability,
-        orphans,
-        torn,
-    }
+    (tokens.len(), stale, availability)
 }
 
 fn marker() -> String {
@@ -786,6 +867,7 @@ fn chaos_on_redis() {
             .tempdir()
             .unwrap(),
         marker: marker(),
+        shards: None,
         backend: Backend::Redis { server, proxies },
     });
 }
@@ -800,6 +882,7 @@ fn chaos_on_postgres() {
             .tempdir()
             .unwrap(),
         marker: marker(),
+        shards: None,
         backend: Backend::Postgres {
             server,
             proxies,
@@ -826,6 +909,7 @@ fn chaos_on_etcd() {
             .tempdir()
             .unwrap(),
         marker: marker(),
+        shards: None,
         backend: Backend::Etcd { cluster, proxies },
     });
 }
@@ -838,6 +922,7 @@ fn chaos_on_redis_sentinel() {
             .tempdir()
             .unwrap(),
         marker: marker(),
+        shards: None,
         backend: Backend::Sentinel {
             set: SentinelSet::start(),
         },
@@ -855,6 +940,7 @@ fn chaos_on_redis_cluster() {
             .tempdir()
             .unwrap(),
         marker: marker(),
+        shards: None,
         backend: Backend::Cluster {
             cluster: Cluster::start(),
         },
@@ -871,6 +957,56 @@ fn chaos_on_the_file_backend() {
     suite(Run {
         dir,
         marker: marker(),
+        shards: None,
         backend: Backend::File { dir: state },
     });
+}
+
+/// Shard mode: three replicas split four shards, each publishing to a store
+/// of its own, under the same faults (the "leader" is the replica that runs
+/// shard 0); every shard is checked as a lease of its own.
+fn shard_chaos(backend: Backend, dir: tempfile::TempDir) {
+    suite(Run {
+        dir,
+        marker: marker(),
+        shards: Some(4),
+        backend,
+    });
+}
+
+fn chaos_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("leaderrun-chaos-")
+        .tempdir()
+        .unwrap()
+}
+
+#[test]
+fn chaos_in_shard_mode_on_the_file_backend() {
+    let dir = chaos_dir();
+    let state = dir.path().join("state");
+    shard_chaos(Backend::File { dir: state }, dir);
+}
+
+#[test]
+fn chaos_in_shard_mode_on_redis() {
+    let server = RedisServer::start();
+    server.wait_uptime(None, 2);
+    let proxies = (0..REPLICAS).map(|_| Proxy::start(server.port)).collect();
+    shard_chaos(Backend::Redis { server, proxies }, chaos_dir());
+}
+
+#[test]
+fn chaos_in_shard_mode_on_etcd() {
+    let cluster = EtcdCluster::start(3);
+    let proxies = (0..REPLICAS)
+        .map(|_| {
+            cluster
+                .members
+                .iter()
+                .map(|m| Proxy::start(m.client_port))
+                .collect()
+        })
+        .collect();
+    shard_chaos(Backend::Etcd { cluster, proxies }, chaos_dir());
 }
