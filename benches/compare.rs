@@ -45,6 +45,7 @@ fn main() {
     let rows = env_number("LEADERRUN_BENCH_ROWS").unwrap_or(1) != 0;
     let quick = env_number("LEADERRUN_BENCH_QUICK").unwrap_or(0) != 0;
     let ha = env_number("LEADERRUN_BENCH_HA").unwrap_or(1) != 0;
+    let shards = env_number("LEADERRUN_BENCH_SHARDS").unwrap_or(1) != 0;
     let dir = tempfile::Builder::new()
         .prefix("leaderrun-bench-")
         .tempdir()
@@ -123,8 +124,34 @@ fn main() {
         eprintln!("measuring Sentinel and Cluster");
         bench.ha(&mut out, samples.div_ceil(2));
     }
+    if shards {
+        eprintln!("measuring shard mode");
+        let mut backends = vec![
+            (
+                "file",
+                format!("file:{}", dir.path().join("shard-state").display()),
+                Requests::Leaderrun,
+            ),
+            (
+                "redis",
+                format!("redis://127.0.0.1:{}", redis.port),
+                Requests::Redis(redis.port),
+            ),
+        ];
+        if let Some(postgres) = &postgres {
+            backends.push(("postgres", postgres.url(), Requests::Leaderrun));
+        }
+        if let Some(etcd) = &etcd {
+            backends.push((
+                "etcd",
+                format!("etcd://127.0.0.1:{}", etcd.port),
+                Requests::Etcd(etcd.port),
+            ));
+        }
+        shard_mode(&mut out, dir.path(), &backends);
+    }
     print!("{out}");
-    if rows && scale && ha {
+    if rows && scale && ha && shards {
         // The measured part goes between the markers; the history of earlier
         // runs around it is kept by hand.
         let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/benchmarks.md");
@@ -796,7 +823,7 @@ impl Bench {
         // Past its first attempts, into its steady wait.
         std::thread::sleep(Duration::from_millis(1500));
         let before = cpu_ticks(follower.id());
-        let calls_before = file.then(|| backend_calls(metrics));
+        let calls_before = file.then(|| all_backend_calls(metrics));
         let both = if redis {
             Some(self.redis_requests_during(window))
         } else if etcd {
@@ -807,7 +834,7 @@ impl Bench {
         };
         let after = cpu_ticks(follower.id());
         let file_requests =
-            calls_before.map(|before| (backend_calls(metrics) - before) / window.as_secs_f64());
+            calls_before.map(|before| (all_backend_calls(metrics) - before) / window.as_secs_f64());
         kill_all(&mut [holder, follower]);
         let cpu = (after - before) as f64 * 10.0 / window.as_secs_f64(); // 100 ticks per second
         (cpu, alone.zip(both).map(|(a, b)| b - a).or(file_requests))
@@ -819,8 +846,10 @@ impl Bench {
     fn redis_requests_during(&self, window: Duration) -> f64 {
         let before = redis_client_commands(self.redis_port);
         std::thread::sleep(window);
-        // The INFO that reads the counts is one of them.
-        (redis_client_commands(self.redis_port) - before - 1.0) / window.as_secs_f64()
+        // INFO is not counted: leaderrun sends it only at startup (its
+        // scripts run it inside the server), and the harness reads the
+        // counts with it.
+        (redis_client_commands(self.redis_port) - before) / window.as_secs_f64()
     }
 
     /// Requests per second that clients start on etcd over `window`, as
@@ -1066,7 +1095,7 @@ fn redis_client_commands(port: u16) -> f64 {
         .filter_map(|line| {
             let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
             let client = [
-                "evalsha", "eval", "blpop", "hello", "select", "ping", "auth", "info",
+                "evalsha", "eval", "blpop", "hello", "select", "ping", "auth",
             ]
             .contains(&name)
                 || name.starts_with("script|")
@@ -1103,11 +1132,185 @@ fn etcd_started_calls(port: u16) -> f64 {
         .sum()
 }
 
-/// `leaderrun_backend_calls_total` of the leaderrun serving metrics on `port`.
-fn backend_calls(port: u16) -> f64 {
+/// How the shard rows count backend requests: at the server (Redis: the
+/// commands clients send; etcd: the calls it started), or as leaderrun counts
+/// its own calls (`leaderrun_backend_calls_total`, every shard's and the
+/// replica's).
+enum Requests {
+    Redis(u16),
+    Etcd(u16),
+    Leaderrun,
+}
+
+/// Shards and replicas of the shard rows.
+const SHARDS: usize = 64;
+const SHARD_REPLICAS: usize = 4;
+const SHARD_ROUNDS: usize = 3;
+
+/// 64 shards over 4 replicas, on each backend, at the default timing (ttl
+/// 6 s, renewals every 2 s), three rounds each: time from start until every
+/// shard runs and until the split is 16/16/16/16; after `kill -9` of a
+/// replica's leaderrun (its guard stops its commands and releases their
+/// shards), until its shards run elsewhere
+/// and the split is 22/21/21; after a fourth replica joins, until it is
+/// 16/16/16/16 again; the backend requests per second of the four replicas
+/// while settled (10 s); RSS per replica.
+fn shard_mode(out: &mut String, dir: &Path, backends: &[(&str, String, Requests)]) {
+    let _ = writeln!(
+        out,
+        "\n## Shard mode\n\n{SHARDS} shards over {SHARD_REPLICAS} replicas, default timing (ttl 6 s, renewals every 2 s), {SHARD_ROUNDS} rounds per backend, p50 (max) in ms:\n\n| backend | every shard runs, from start | split 16/16/16/16, from start | shards of a `kill -9`'d replica run elsewhere | split 22/21/21 after it | split 16×4 after a fourth joins | requests/s settled (4 replicas) | RSS per replica (MB) |\n|---|---|---|---|---|---|---|---|"
+    );
+    for (name, url, requests) in backends {
+        let mut figures: Vec<Vec<f64>> = vec![Vec::new(); 7];
+        for round in 0..SHARD_ROUNDS {
+            let key = format!("shards-{name}-{round}");
+            let owners = dir.join(&key);
+            fs::create_dir_all(&owners).unwrap();
+            let spawn = |owner: &str, port: u16| -> Child {
+                let mut command = Command::new(BIN);
+                common::dies_with_the_test(&mut command);
+                command
+                    .args(["--backend", url, "--key", &key, "--owner", owner])
+                    .args(["--shards", &SHARDS.to_string()])
+                    .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+                    .args(["--", "sh", "-c"])
+                    .arg(format!(
+                        "echo $$ $LEADERRUN_OWNER > {}/owner.$LEADERRUN_SHARD; exec sleep 3600",
+                        owners.display()
+                    ))
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap()
+            };
+            let split = || -> Option<Vec<usize>> {
+                let mut by_owner = std::collections::BTreeMap::new();
+                for shard in 0..SHARDS {
+                    let text = fs::read_to_string(owners.join(format!("owner.{shard}"))).ok()?;
+                    let (pid, owner) = text.trim().split_once(' ')?;
+                    if !alive(pid.parse().ok()?) {
+                        return None;
+                    }
+                    *by_owner.entry(owner.to_owned()).or_insert(0) += 1;
+                }
+                let mut shares: Vec<usize> = by_owner.into_values().collect();
+                shares.sort_unstable_by(|a, b| b.cmp(a));
+                Some(shares)
+            };
+            // Until `done` holds for two seconds; the time it first held.
+            let settle = |from: Instant, done: &dyn Fn(&Vec<usize>) -> bool| -> f64 {
+                let mut since: Option<Instant> = None;
+                let deadline = from + Duration::from_secs(120);
+                while Instant::now() < deadline {
+                    match split() {
+                        Some(shares) if done(&shares) => {
+                            let at = *since.get_or_insert_with(Instant::now);
+                            if at.elapsed() >= Duration::from_secs(2) {
+                                return (at - from).as_secs_f64() * 1000.0;
+                            }
+                        }
+                        _ => since = None,
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                f64::NAN
+            };
+            let ports: Vec<u16> = (0..=SHARD_REPLICAS).map(|_| free_port()).collect();
+            let started = Instant::now();
+            let mut replicas: Vec<Child> = (0..SHARD_REPLICAS)
+                .map(|i| spawn(&format!("r{i}"), ports[i]))
+                .collect();
+            let mut running = f64::NAN;
+            while started.elapsed() < Duration::from_secs(120) {
+                if split().is_some() {
+                    running = started.elapsed().as_secs_f64() * 1000.0;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            figures[0].push(running);
+            let even = vec![SHARDS / SHARD_REPLICAS; SHARD_REPLICAS];
+            figures[1].push(settle(started, &|s| *s == even));
+            // Settled: the replicas' requests over 10 s.
+            let count = || match requests {
+                Requests::Redis(port) => redis_client_commands(*port),
+                Requests::Etcd(port) => etcd_started_calls(*port),
+                Requests::Leaderrun => ports[..SHARD_REPLICAS]
+                    .iter()
+                    .map(|port| all_backend_calls(*port))
+                    .sum(),
+            };
+            let before = count();
+            std::thread::sleep(Duration::from_secs(10));
+            figures[5].push((count() - before) / 10.0);
+            let rss: u64 = replicas.iter().map(|c| status_kb(c.id(), "VmRSS:")).sum();
+            figures[6].push(rss as f64 / SHARD_REPLICAS as f64 / 1024.0);
+            // kill -9 of one replica: the guard releases its shards.
+            let killed = Instant::now();
+            let _ = replicas[0].kill();
+            let _ = replicas[0].wait();
+            let mut moved = f64::NAN;
+            while killed.elapsed() < Duration::from_secs(120) {
+                if split().is_some_and(|s| s.len() == SHARD_REPLICAS - 1) {
+                    moved = killed.elapsed().as_secs_f64() * 1000.0;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            figures[2].push(moved);
+            figures[3].push(settle(killed, &|s| *s == [22, 21, 21]));
+            // A fourth replica joins.
+            let joined = Instant::now();
+            replicas.push(spawn("r4", ports[SHARD_REPLICAS]));
+            figures[4].push(settle(joined, &|s| *s == even));
+            for child in &mut replicas {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(child.id() as i32),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+            }
+            for child in &mut replicas {
+                let _ = child.wait();
+            }
+        }
+        let cell = |values: &[f64], digits: usize| {
+            let max = values.iter().cloned().fold(f64::NAN, f64::max);
+            format!("{:.digits$} ({max:.digits$})", percentile(values, 50.0),)
+        };
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {} | {} | {} | {} | {:.1} | {:.1} |",
+            cell(&figures[0], 0),
+            cell(&figures[1], 0),
+            cell(&figures[2], 0),
+            cell(&figures[3], 0),
+            cell(&figures[4], 0),
+            percentile(&figures[5], 50.0),
+            percentile(&figures[6], 50.0),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nA replica runs `sh -c 'echo ...; exec sleep 3600'` per shard it holds; a shard runs when the last command started for it is alive. A split counts once it has held for 2 s (the time given is when it began). Requests: Redis, the commands the replicas send (scripts, `BLPOP`; not the commands the scripts run inside the server); etcd, the calls it started (a watch as one); files and PostgreSQL, the calls leaderrun counts (`leaderrun_backend_calls_total`, every shard's and the replica's own). The killed replica's shards are released by its guard, so they move within milliseconds; a host that dies would leave them to lapse at their ttl."
+    );
+}
+
+/// Every `leaderrun_backend_calls_total` line (shard mode: each shard's and
+/// the replica's) of the leaderrun serving metrics on `port`, summed.
+fn all_backend_calls(port: u16) -> f64 {
+    calls_lines(port)
+        .iter()
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The `leaderrun_backend_calls_total` lines of the leaderrun serving
+/// metrics on `port`.
+fn calls_lines(port: u16) -> Vec<String> {
     use std::io::{Read as _, Write as _};
     let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return 0.0;
+        return Vec::new();
     };
     let _ = write!(
         stream,
@@ -1117,9 +1320,9 @@ fn backend_calls(port: u16) -> f64 {
     let _ = stream.read_to_string(&mut response);
     response
         .lines()
-        .find(|l| l.starts_with("leaderrun_backend_calls_total"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
+        .filter(|l| l.starts_with("leaderrun_backend_calls_total"))
+        .map(String::from)
+        .collect()
 }
 
 /// Kills every replica and its command, and reaps the replicas.

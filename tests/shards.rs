@@ -130,9 +130,10 @@ impl Fleet<'_> {
     }
 }
 
-/// Three replicas split eight shards 3/3/2; `kill -9` of one: its shards
-/// run elsewhere within their ttl; a third joins again: 3/3/2 within three
-/// renewal periods; a graceful stop: the other two take its shards at once.
+/// Three replicas split eight shards 3/3/2; a fourth joins: 2/2/2/2 within
+/// three renewal periods; `kill -9` of one: its shards run elsewhere within
+/// their ttl (at once: its guard releases them), 3/3/2; a graceful stop of
+/// one: the other two take its shards at once, 4/4.
 fn split_kill_join_stop(sandbox: &Sandbox, backend: String) {
     let fleet = Fleet {
         sandbox,
@@ -141,26 +142,26 @@ fn split_kill_join_stop(sandbox: &Sandbox, backend: String) {
         n: 8,
     };
     let a = fleet.replica("a", &[]);
-    let b = fleet.replica("b", &[]);
-    let c = fleet.replica("c", &[]);
+    let mut b = fleet.replica("b", &[]);
+    let _c = fleet.replica("c", &[]);
     let took = fleet.settles_to(&[3, 3, 2], LONG, "three replicas");
     eprintln!("every shard ran, split 3/3/2, {took:?} after start");
 
-    let held_by_a = fleet.split().unwrap().get("a").copied().unwrap_or(0);
-    a.signal(Signal::SIGKILL);
-    let took = fleet.settles_to(&[4, 4], LONG, "after kill -9");
-    eprintln!("kill -9 of a replica holding {held_by_a}: 4/4 after {took:?}");
-    assert!(
-        took < Duration::from_secs(2),
-        "the killed replica's shards ran elsewhere only {took:?} later (ttl 2 s)"
-    );
-
     let _d = fleet.replica("d", &[]);
-    let took = fleet.settles_to(&[3, 3, 2], LONG, "after a join");
-    eprintln!("a joining replica got its share after {took:?} (renewal period 400 ms)");
+    let took = fleet.settles_to(&[2, 2, 2, 2], LONG, "after a fourth joined");
+    eprintln!("a fourth replica: 2/2/2/2 after {took:?} (renewal period 400 ms)");
     assert!(
         took < Duration::from_secs(4),
         "the split took {took:?} after a join"
+    );
+
+    let held_by_a = fleet.split().unwrap().get("a").copied().unwrap_or(0);
+    a.signal(Signal::SIGKILL);
+    let took = fleet.settles_to(&[3, 3, 2], LONG, "after kill -9");
+    eprintln!("kill -9 of a replica holding {held_by_a}: 3/3/2 after {took:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "the killed replica's shards ran elsewhere only {took:?} later (ttl 2 s)"
     );
 
     b.signal(Signal::SIGTERM);
@@ -170,9 +171,7 @@ fn split_kill_join_stop(sandbox: &Sandbox, backend: String) {
         took < Duration::from_secs(1),
         "the stopped replica's shards ran elsewhere only {took:?} later"
     );
-    let mut b = b;
     assert_eq!(b.wait(LONG), Some(0), "a stopped shard replica exits 0");
-    drop(c);
     fleet.check_history();
 }
 
@@ -201,27 +200,6 @@ fn shards_split_and_move_on_postgres() {
     let sandbox = Sandbox::new();
     let postgres = PostgresServer::start();
     split_kill_join_stop(&sandbox, postgres.url());
-}
-
-/// A fourth replica joins three that split eight shards: 2/2/2/2.
-#[test]
-fn a_fourth_replica_makes_the_split_two_each() {
-    let sandbox = Sandbox::new();
-    let fleet = Fleet {
-        sandbox: &sandbox,
-        backend: sandbox.backend(),
-        key: "quarters",
-        n: 8,
-    };
-    let _replicas: Vec<Replica> = ["a", "b", "c"]
-        .iter()
-        .map(|owner| fleet.replica(owner, &[]))
-        .collect();
-    fleet.settles_to(&[3, 3, 2], LONG, "three replicas");
-    let _d = fleet.replica("d", &[]);
-    let took = fleet.settles_to(&[2, 2, 2, 2], LONG, "four replicas");
-    assert!(took < Duration::from_secs(4), "2/2/2/2 took {took:?}");
-    fleet.check_history();
 }
 
 /// A replica that joins and leaves within a renewal period moves no shard:
@@ -344,6 +322,28 @@ fn a_replica_with_another_shard_count_takes_no_shard() {
         "the oldest keeps every shard"
     );
     assert!(!sandbox.read("starts").contains(" b "), "b ran a shard");
+}
+
+/// Each shard's hooks get the shard: a fence floor per shard moves each
+/// shard's own counter.
+#[test]
+fn each_shard_has_its_own_counter_and_hooks() {
+    let sandbox = Sandbox::new();
+    let mut replica = sandbox
+        .leaderrun("floors")
+        .args(["--shards", "3"])
+        .args([
+            "--fence-floor-cmd",
+            "echo $(( (LEADERRUN_SHARD + 1) * 100 ))",
+        ])
+        .sh(r#"echo "$LEADERRUN_SHARD $LEADERRUN_TOKEN" >> tokens; exec sleep 300"#)
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.lines("tokens").len() == 3));
+    let mut tokens = sandbox.lines("tokens");
+    tokens.sort();
+    assert_eq!(tokens, ["0 101", "1 201", "2 301"]);
+    replica.signal(Signal::SIGTERM);
+    assert_eq!(replica.wait(LONG), Some(0));
 }
 
 /// Bad `--shards` values and `--shards` with a wait: exit 2, naming the value

@@ -272,7 +272,19 @@ impl<P: Processes> Supervisor<P> {
                         self.set_slot();
                         return Wake::Attempt;
                     }
-                    if gate.take_pass() {
+                    // A wake this replica cannot use, after a replica left:
+                    // pass it along the line, once per departure, until a
+                    // replica with room takes the shard (the same replica
+                    // may be first in every shard's line).
+                    let departure = gate.departure(self.spec.timing.ttl);
+                    let due = match (&mut self.shard, departure) {
+                        (Some(role), Some(d)) if role.passed_for < d => {
+                            role.passed_for = d;
+                            true
+                        }
+                        _ => false,
+                    };
+                    if due {
                         self.pass_wake().await;
                     }
                 }

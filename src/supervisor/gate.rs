@@ -35,11 +35,11 @@ struct State {
     terms: BTreeMap<u32, Instant>,
     /// Shards asked to hand over, whose terms have not ended yet.
     resigning: Vec<u32>,
-    /// The balancer's looks so far; the last one that found a replica gone;
-    /// the departure this replica passed a wake on for.
+    /// The balancer's looks so far; the last one that found a replica gone,
+    /// and when.
     looks: u64,
     departed_at: u64,
-    passed_for: u64,
+    departed_when: Option<Instant>,
 }
 
 impl Gate {
@@ -153,6 +153,7 @@ impl Gate {
         state.looks += 1;
         if departure {
             state.departed_at = state.looks;
+            state.departed_when = Some(Instant::now());
         }
         drop(state);
         self.looked.notify_waiters();
@@ -169,17 +170,15 @@ impl Gate {
         }
     }
 
-    /// Whether this replica should pass on the wake it got and cannot use:
-    /// once per departure it saw, so one wake reaches every replica, each of
-    /// which then takes its new share (a release wakes one replica, and the
-    /// same one may be first in every shard's line).
-    pub fn take_pass(&self) -> bool {
-        let mut state = self.state.borrow_mut();
-        let due = state.departed_at > state.passed_for;
-        if due {
-            state.passed_for = state.departed_at;
-        }
-        due
+    /// The look that last found a replica gone, if that was within
+    /// `recent`: a shard's supervisor woken by a release it cannot use
+    /// passes the wake on once per such departure (see `campaign.rs`).
+    pub fn departure(&self, recent: std::time::Duration) -> Option<u64> {
+        let state = self.state.borrow();
+        state
+            .departed_when
+            .is_some_and(|at| at.elapsed() < recent)
+            .then_some(state.departed_at)
     }
 }
 

@@ -108,6 +108,8 @@ struct ShardRole {
     gate: Rc<Gate>,
     /// It holds a reserved slot of the gate's (for its next attempt).
     slot: bool,
+    /// The departure (the balancer's look) it last passed a wake on for.
+    passed_for: u64,
 }
 
 impl<P: Processes> Supervisor<P> {
@@ -146,6 +148,7 @@ impl<P: Processes> Supervisor<P> {
             index: shard,
             gate,
             slot: false,
+            passed_for: 0,
         });
         self
     }
