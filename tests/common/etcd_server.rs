@@ -172,6 +172,17 @@ impl EtcdCluster {
     }
 
     fn start_with(size: usize, tls: Option<(PathBuf, bool)>) -> EtcdCluster {
+        // A port found free may be taken by another test before etcd binds
+        // it: then start again on others.
+        for _ in 0..3 {
+            if let Some(cluster) = Self::try_start(size, tls.clone()) {
+                return cluster;
+            }
+        }
+        Self::try_start(size, tls).expect("etcd could not bind its ports")
+    }
+
+    fn try_start(size: usize, tls: Option<(PathBuf, bool)>) -> Option<EtcdCluster> {
         let dir = tempfile::Builder::new()
             .prefix("leaderrun-etcd-")
             .tempdir()
@@ -200,9 +211,23 @@ impl EtcdCluster {
         for member in &mut members {
             member.run();
         }
-        let cluster = EtcdCluster { members, _dir: dir };
+        let mut cluster = EtcdCluster { members, _dir: dir };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !cluster.members.iter().all(Member::healthy) && Instant::now() < deadline {
+            if cluster
+                .members
+                .iter()
+                .any(|m| m.log().contains("address already in use"))
+            {
+                for member in &mut cluster.members {
+                    member.stop();
+                }
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         cluster.wait_healthy();
-        cluster
+        Some(cluster)
     }
 
     /// Waits until every running member is healthy (has a leader).
