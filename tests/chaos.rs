@@ -893,16 +893,6 @@ fn chaos_on_postgres() {
 
 #[test]
 fn chaos_on_etcd() {
-    let cluster = EtcdCluster::start(3);
-    let proxies = (0..REPLICAS)
-        .map(|_| {
-            cluster
-                .members
-                .iter()
-                .map(|m| Proxy::start(m.client_port))
-                .collect()
-        })
-        .collect();
     suite(Run {
         dir: tempfile::Builder::new()
             .prefix("leaderrun-chaos-")
@@ -910,7 +900,7 @@ fn chaos_on_etcd() {
             .unwrap(),
         marker: marker(),
         shards: None,
-        backend: Backend::Etcd { cluster, proxies },
+        backend: etcd_behind_proxies(),
     });
 }
 
@@ -998,6 +988,12 @@ fn chaos_in_shard_mode_on_redis() {
 
 #[test]
 fn chaos_in_shard_mode_on_etcd() {
+    shard_chaos(etcd_behind_proxies(), chaos_dir());
+}
+
+/// Three etcd members; each replica reaches each member through a proxy of
+/// its own.
+fn etcd_behind_proxies() -> Backend {
     let cluster = EtcdCluster::start(3);
     let proxies = (0..REPLICAS)
         .map(|_| {
@@ -1008,5 +1004,5 @@ fn chaos_in_shard_mode_on_etcd() {
                 .collect()
         })
         .collect();
-    shard_chaos(Backend::Etcd { cluster, proxies }, chaos_dir());
+    Backend::Etcd { cluster, proxies }
 }

@@ -65,6 +65,20 @@ impl From<StoreError> for AttemptError {
 /// went through, the lease is released rather than left to lapse.
 const STOP_GRACE: Duration = Duration::from_millis(250);
 
+/// Whether a host event that comes while following stops the campaign (a
+/// stop signal, or the host gone); forwarded signals and hand-over requests
+/// mean nothing without a term.
+fn stops(event: Option<HostEvent>) -> bool {
+    match event {
+        Some(HostEvent::Stop(signal)) => {
+            info!(signal = signal.as_str(), "stopped while following");
+            true
+        }
+        Some(HostEvent::Forward(_) | HostEvent::Resign) => false,
+        None => true,
+    }
+}
+
 impl<P: Processes> Supervisor<P> {
     /// Attempts until the lease is ours, the wait runs out, or a stop signal.
     /// The first attempt waits for `not_before`, if given.
@@ -254,13 +268,8 @@ impl<P: Processes> Supervisor<P> {
         loop {
             tokio::select! {
                 biased;
-                event = self.events.recv() => match event {
-                    Some(HostEvent::Stop(signal)) => {
-                        info!(signal = signal.as_str(), "stopped while following");
-                        return Wake::Stopped;
-                    }
-                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
-                    None => return Wake::Stopped,
+                event = self.events.recv() => if stops(event) {
+                    return Wake::Stopped;
                 },
                 () = gate.room() => if gate.try_reserve() {
                     self.set_slot();
@@ -319,13 +328,8 @@ impl<P: Processes> Supervisor<P> {
             self.health.metrics_handle().beat();
             tokio::select! {
                 biased;
-                event = self.events.recv() => match event {
-                    Some(HostEvent::Stop(signal)) => {
-                        info!(signal = signal.as_str(), "stopped while following");
-                        return Wake::Stopped;
-                    }
-                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
-                    None => return Wake::Stopped,
+                event = self.events.recv() => if stops(event) {
+                    return Wake::Stopped;
                 },
                 () = sleep_until(give_up_at.unwrap_or(at)), if give_up_at.is_some_and(|g| g <= at) => return Wake::GaveUp,
                 () = self.store.notice(), if notices => return Wake::Attempt,
@@ -344,13 +348,8 @@ impl<P: Processes> Supervisor<P> {
         loop {
             tokio::select! {
                 biased;
-                event = self.events.recv() => match event {
-                    Some(HostEvent::Stop(signal)) => {
-                        info!(signal = signal.as_str(), "stopped while following");
-                        return Err(AttemptError::Stopped);
-                    }
-                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
-                    None => return Err(AttemptError::Stopped),
+                event = self.events.recv() => if stops(event) {
+                    return Err(AttemptError::Stopped);
                 },
                 () = sleep_until(give_up_at.unwrap_or_else(Instant::now)), if give_up_at.is_some() => {
                     return Err(AttemptError::GaveUp);
@@ -429,13 +428,8 @@ impl<P: Processes> Supervisor<P> {
             self.health.metrics_handle().beat();
             tokio::select! {
                 biased;
-                event = self.events.recv() => match event {
-                    Some(HostEvent::Stop(signal)) => {
-                        info!(signal = signal.as_str(), "stopped while following");
-                        break Err(AttemptError::Stopped);
-                    }
-                    Some(HostEvent::Forward(_) | HostEvent::Resign) => {}
-                    None => break Err(AttemptError::Stopped),
+                event = self.events.recv() => if stops(event) {
+                    break Err(AttemptError::Stopped);
                 },
                 read = output.read(&mut buf), if !eof => match read {
                     Ok(0) | Err(_) => eof = true,
