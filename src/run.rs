@@ -4,12 +4,13 @@
 
 use std::convert::Infallible;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tracing::{info, warn};
 
-use crate::backend::{Counted, Fatal, Identity, LeaseConfig};
+use crate::backend::{Counted, Fatal, Identity, LeaseConfig, LeaseStore};
 use crate::cli::RunArgs;
 use crate::error::{ConfigError, Exit};
 use crate::log;
@@ -97,16 +98,7 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
     // The guard must be forked while the process still has one thread. As
     // PID 1 it is not needed: the kernel kills the whole namespace with us.
-    let (stores, membership) = match &leases {
-        Leases::One(store, _) => (vec![store.clone()], None),
-        // Lease 0 is the key's own, which never has a term.
-        Leases::Shards(shards) => (
-            std::iter::once(shards.membership.clone())
-                .chain(shards.shards.iter().cloned())
-                .collect(),
-            Some(shards.membership.clone()),
-        ),
-    };
+    let (stores, membership) = leases.guarded();
     let guard: Option<Guard> = if std::process::id() == 1 {
         None
     } else {
@@ -128,11 +120,7 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     let exit = runtime.block_on(async {
         let signals = Signals::register().context("cannot register signal handlers")?;
         if let Some(address) = &spec.metrics_addr {
-            let served = match &leases {
-                Leases::One(_, metrics) => metrics.clone(),
-                Leases::Shards(shards) => shards.replica_metrics.clone(),
-            };
-            metrics::serve(address, served)?;
+            metrics::serve(address, leases.served_metrics())?;
         }
         info!(backend = %spec.backend, containment = %containment.describe(), "starting");
         let host = Host::new(containment.clone(), guard);
@@ -187,13 +175,37 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     exit
 }
 
+type Store = Arc<dyn LeaseStore>;
+
 /// What a run leads: one lease, or the shards of one key.
 enum Leases {
-    One(
-        std::sync::Arc<dyn crate::backend::LeaseStore>,
-        std::sync::Arc<Metrics>,
-    ),
+    One(Store, Arc<Metrics>),
     Shards(shard::Leases),
+}
+
+impl Leases {
+    /// The stores the guard keeps, by lease number, and the membership
+    /// record it withdraws first (shard mode).
+    fn guarded(&self) -> (Vec<Store>, Option<Store>) {
+        match self {
+            Leases::One(store, _) => (vec![store.clone()], None),
+            // Lease 0 is the key's own, which never has a term.
+            Leases::Shards(shards) => (
+                std::iter::once(shards.membership.clone())
+                    .chain(shards.shards.iter().cloned())
+                    .collect(),
+                Some(shards.membership.clone()),
+            ),
+        }
+    }
+
+    /// The figures `--metrics-addr` serves.
+    fn served_metrics(&self) -> Arc<Metrics> {
+        match self {
+            Leases::One(_, metrics) => metrics.clone(),
+            Leases::Shards(shards) => shards.replica_metrics.clone(),
+        }
+    }
 }
 
 /// The host's signal loop: reaps on SIGCHLD, and passes stop and forwarded

@@ -27,68 +27,48 @@ pub fn run(args: StatusArgs) -> Result<Exit, Failure> {
         .build()
         .context("cannot start the runtime")?;
     runtime.block_on(async {
-        let store = backend.observer(&key, STATUS_TIMEOUT)?;
-        match store.observe().await {
-            Ok(observation) if shard_count(&observation).is_some() => {
-                let n = shard_count(&observation).unwrap_or_default();
-                let shards = futures_util::future::join_all((0..n).map(|shard| {
-                    let backend = backend.clone();
-                    let key = shard_key(&key, shard);
-                    async move {
-                        let store = backend.observer(&key, STATUS_TIMEOUT)?;
-                        match store.observe().await {
-                            Ok(seen) => Ok(seen.holder),
-                            Err(StoreError::Unreachable(error)) => Err(Failure::from(
-                                anyhow::anyhow!("backend {backend} unreachable: {error:#}"),
-                            )),
-                            Err(StoreError::Fatal(fatal)) => Err(fatal.into()),
-                        }
-                    }
-                }))
-                .await
-                .into_iter()
-                .collect::<Result<Vec<_>, Failure>>();
-                let shards = match shards {
-                    Ok(shards) => shards,
-                    Err(Failure::Internal(error)) => {
-                        eprintln!("leaderrun: error: {error:#}");
-                        return Ok(Exit::Unreachable);
-                    }
-                    Err(other) => return Err(other),
-                };
-                print!(
-                    "{}",
-                    if args.json {
-                        shards_json(&key, &shards, &observation)
-                    } else {
-                        shards_text(&key, &shards, &observation)
-                    }
-                );
-                Ok(if shards.iter().all(Option::is_some) {
-                    Exit::Child(0)
-                } else {
-                    Exit::Free
-                })
+        let failed = |error: StoreError| match error {
+            StoreError::Unreachable(error) => {
+                eprintln!("leaderrun: error: backend {backend} unreachable: {error:#}");
+                Ok(Exit::Unreachable)
             }
-            Ok(observation) => {
+            StoreError::Fatal(fatal) => Err(Failure::from(fatal)),
+        };
+        let observation = match backend.observer(&key, STATUS_TIMEOUT)?.observe().await {
+            Ok(observation) => observation,
+            Err(error) => return failed(error),
+        };
+        let (text, held) = match shard_count(&observation) {
+            // Shard mode: each shard's holder too.
+            Some(n) => {
+                let stores = (0..n)
+                    .map(|shard| backend.observer(&shard_key(&key, shard), STATUS_TIMEOUT))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let shards: Vec<Option<Holder>> =
+                    match futures_util::future::try_join_all(stores.iter().map(|s| s.observe()))
+                        .await
+                    {
+                        Ok(seen) => seen.into_iter().map(|o| o.holder).collect(),
+                        Err(error) => return failed(error),
+                    };
+                let text = if args.json {
+                    shards_json(&key, &shards, &observation)
+                } else {
+                    shards_text(&key, &shards, &observation)
+                };
+                (text, shards.iter().all(Option::is_some))
+            }
+            None => {
                 let text = if args.json {
                     json(&key, &observation)
                 } else {
                     text(&key, &observation)
                 };
-                print!("{text}");
-                Ok(if observation.holder.is_some() {
-                    Exit::Child(0)
-                } else {
-                    Exit::Free
-                })
+                (text, observation.holder.is_some())
             }
-            Err(StoreError::Unreachable(error)) => {
-                eprintln!("leaderrun: error: backend {backend} unreachable: {error:#}");
-                Ok(Exit::Unreachable)
-            }
-            Err(StoreError::Fatal(fatal)) => Err(fatal.into()),
-        }
+        };
+        print!("{text}");
+        Ok(if held { Exit::Child(0) } else { Exit::Free })
     })
 }
 

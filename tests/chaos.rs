@@ -262,43 +262,24 @@ impl Run {
     }
 
     fn faults(&self) -> Vec<Fault> {
-        match self.backend {
-            Backend::Redis { .. } | Backend::Postgres { .. } => vec![
-                Fault::KillLeader,
-                Fault::StopLeader,
-                Fault::PauseLeader,
-                Fault::PauseBackendShort,
-                Fault::PauseBackendLong,
-                Fault::RestartBackend,
-                Fault::DropConnections,
-                Fault::PartitionLeader,
-            ],
-            Backend::Etcd { .. } => vec![
-                Fault::KillLeader,
-                Fault::StopLeader,
-                Fault::PauseLeader,
-                Fault::PauseBackendShort,
-                Fault::PauseBackendLong,
-                Fault::RestartBackend,
-                Fault::DropConnections,
-                Fault::PartitionLeader,
-                Fault::KillPrimary,
-            ],
-            Backend::Sentinel { .. } | Backend::Cluster { .. } => vec![
-                Fault::KillLeader,
-                Fault::StopLeader,
-                Fault::PauseLeader,
-                Fault::Failover,
-                Fault::KillPrimary,
-            ],
-            Backend::File { .. } => vec![
-                Fault::KillLeader,
-                Fault::StopLeader,
-                Fault::PauseLeader,
-                Fault::PauseBackendShort,
-                Fault::PauseBackendLong,
-            ],
-        }
+        // On the replicas, on every backend; on one server (or its members).
+        let replicas = [Fault::KillLeader, Fault::StopLeader, Fault::PauseLeader];
+        let server = [
+            Fault::PauseBackendShort,
+            Fault::PauseBackendLong,
+            Fault::RestartBackend,
+            Fault::DropConnections,
+            Fault::PartitionLeader,
+        ];
+        let more: &[Fault] = match self.backend {
+            Backend::Redis { .. } | Backend::Postgres { .. } => &server,
+            Backend::Etcd { .. } => &[&server[..], &[Fault::KillPrimary]].concat(),
+            Backend::Sentinel { .. } | Backend::Cluster { .. } => {
+                &[Fault::Failover, Fault::KillPrimary]
+            }
+            Backend::File { .. } => &server[..2],
+        };
+        [&replicas[..], more].concat()
     }
 
     fn leader(&self) -> Option<usize> {

@@ -132,11 +132,6 @@ impl Balancer {
     ) -> Share {
         let now = Instant::now();
         let settled = now.checked_sub(self.every).unwrap_or(now);
-        let counted_before: Vec<Seen> = first_seen
-            .iter()
-            .filter(|(_, at)| **at <= settled)
-            .map(|(id, _)| id.clone())
-            .collect();
         let mut current = HashMap::new();
         for c in &seen.candidates {
             let id = (c.host.clone(), c.pid, c.since_ms);
@@ -147,8 +142,11 @@ impl Balancer {
             };
             current.insert(id, at);
         }
+        // A replica counted before and gone now.
+        let departure = first_seen
+            .iter()
+            .any(|(id, at)| *at <= settled && !current.contains_key(id));
         *first_seen = current;
-        let departure = counted_before.iter().any(|id| !first_seen.contains_key(id));
         self.gate.looked(departure);
         split::share(self.n, &self.me, &seen.candidates, |c| {
             first_seen

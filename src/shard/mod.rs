@@ -92,8 +92,9 @@ impl Leases {
 
 /// Runs the replica's shards until a stop signal: each shard's supervisor,
 /// and the balancer. Returns the sender the host's signals go to (the
-/// balancer, which passes them on to every shard), and the run. A backend refusal on one shard (credentials, permissions) stops
-/// every shard and is the run's outcome.
+/// balancer, which passes them on to every shard), and the run. A backend
+/// refusal on one shard (credentials, permissions) stops every shard and is
+/// the run's outcome.
 pub fn lead(
     leases: Leases,
     lease: LeaseSpec,

@@ -255,14 +255,13 @@ impl<P: Processes> Supervisor<P> {
     /// no requests; a release of its shard (which may mean a replica left)
     /// asks the balancer for a fresh look at the replicas.
     async fn slot(&mut self) -> Wake {
-        let Some(role) = &self.shard else {
-            return Wake::Attempt;
+        let gate = match &self.shard {
+            None => return Wake::Attempt,
+            Some(role) => role.gate.clone(),
         };
-        if role.slot || role.gate.try_reserve() {
-            self.set_slot();
+        if self.take_slot() {
             return Wake::Attempt;
         }
-        let gate = role.gate.clone();
         // Woken by a release: the look at the replicas asked for then.
         let mut asked: Option<u64> = None;
         loop {
@@ -271,14 +270,12 @@ impl<P: Processes> Supervisor<P> {
                 event = self.events.recv() => if stops(event) {
                     return Wake::Stopped;
                 },
-                () = gate.room() => if gate.try_reserve() {
-                    self.set_slot();
+                () = gate.room() => if self.take_slot() {
                     return Wake::Attempt;
                 },
                 () = gate.looked_since(asked.unwrap_or_default()), if asked.is_some() => {
                     asked = None;
-                    if gate.try_reserve() {
-                        self.set_slot();
+                    if self.take_slot() {
                         return Wake::Attempt;
                     }
                     // A wake this replica cannot use, after a replica left:
@@ -315,9 +312,15 @@ impl<P: Processes> Supervisor<P> {
         }
     }
 
-    fn set_slot(&mut self) {
-        if let Some(role) = &mut self.shard {
-            role.slot = true;
+    /// Whether this shard's supervisor has a slot now: the one it kept, or
+    /// one it reserves.
+    fn take_slot(&mut self) -> bool {
+        match &mut self.shard {
+            Some(role) => {
+                role.slot = role.slot || role.gate.try_reserve();
+                role.slot
+            }
+            None => true,
         }
     }
 

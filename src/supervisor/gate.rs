@@ -1,9 +1,9 @@
 //! The gate of shard mode: the supervisors of one replica's shards share
 //! its share of the shards (a quota, set by the balancer). A supervisor
 //! attempts only with a slot: one it reserved, or its running term's. A
-//! supervisor that finds no slot leaves its shard's line and waits for
-//! room, so a replica at its share makes no requests for shards it does
-//! not hold, and a release wakes a replica that can take the shard.
+//! supervisor that finds no slot makes no attempts and waits for room; it
+//! keeps its place in its shard's line, so a release (a replica may have
+//! left) makes the balancer look again.
 //!
 //! Single-threaded: the supervisors and the balancer run on leaderrun's
 //! current-thread runtime.
@@ -120,11 +120,6 @@ impl Gate {
             self.room.notify_waiters();
         }
         out
-    }
-
-    /// Shards running now.
-    pub fn running(&self) -> usize {
-        self.state.borrow().terms.len()
     }
 
     /// Whether this replica holds fewer shards than its share (its
