@@ -17,7 +17,8 @@
 //! run prints its table but leaves `docs/benchmarks.md` alone);
 //! `LEADERRUN_BENCH_HA=0` the Sentinel and Cluster runs;
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
-//! handovers, for profiling. The children are `benches/stamp.c`, compiled here: a static C
+//! handovers, for profiling (`LEADERRUN_BENCH_ONLY=etcd,flock`: only those
+//! tools). The children are `benches/stamp.c`, compiled here: a static C
 //! program that writes CLOCK_MONOTONIC (shared by every process on the host)
 //! as its first and last actions, so no shell start-up is counted.
 
@@ -99,7 +100,12 @@ fn main() {
         kind: Kind::Flock(dir.path().join("flock.lock")),
     });
     if quick {
-        // Only the interleaved cycles and handovers, for profiling.
+        // Only the interleaved cycles and handovers, for profiling; with
+        // LEADERRUN_BENCH_ONLY, only the tools whose name holds one of its
+        // comma-separated words.
+        if let Ok(only) = std::env::var("LEADERRUN_BENCH_ONLY") {
+            tools.retain(|tool| only.split(',').any(|word| tool.name.contains(word)));
+        }
         let cycles = bench.interleaved_cycles(&tools, samples);
         let handovers = bench.interleaved_handovers(&tools, samples, 20);
         for ((tool, cycle), handover) in tools.iter().zip(&cycles).zip(&handovers) {

@@ -75,6 +75,7 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
                     me: Identity::new(&spec.owner),
                     ttl: spec.timing.ttl,
                     call_timeout: spec.timing.call_timeout(),
+                    hand_over: spec.fence_floor_cmd.is_none(),
                 })?,
                 metrics.backend_calls(),
             );

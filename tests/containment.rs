@@ -110,6 +110,7 @@ fn two_terms(mode: ContainmentMode) {
                     me: Identity::new(name),
                     ttl: TIMING.ttl,
                     call_timeout: TIMING.call_timeout(),
+                    hand_over: false,
                 })
                 .unwrap();
             let (events, receiver) = unbounded_channel();

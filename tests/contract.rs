@@ -182,6 +182,7 @@ fn replica(harness: &dyn Harness, key: &str, owner: &str) -> Arc<dyn LeaseStore>
             me: Identity::new(owner),
             ttl: TTL,
             call_timeout: CALL_TIMEOUT,
+            hand_over: false,
         })
         .unwrap()
 }
@@ -308,7 +309,12 @@ fn an_acquired_lease_lasts_a_ttl_from_the_acquisition(harness: &mut dyn Harness)
         assert!(a.release(token).await.unwrap());
         let called = tokio::time::Instant::now();
         let theirs = acquired(b.acquire(2).await);
-        tokio::time::sleep_until(called + TTL.mul_f64(0.75)).await;
+        // The term counts from the call, or from when the lease was last
+        // made to last on the server if that was earlier.
+        let since = b
+            .acquired_since()
+            .map_or(called, |at| tokio::time::Instant::from_std(at).min(called));
+        tokio::time::sleep_until(since + TTL.mul_f64(0.75)).await;
         match c.acquire(1).await {
             Ok(Attempt::Held(holder)) => assert_eq!(holder.token, theirs),
             other => panic!("b's lease lapsed before its ttl: {other:?}"),

@@ -53,6 +53,76 @@ fn a_term_a_handover_and_status_on_one_member() {
     );
 }
 
+/// The end of a run hands the lease straight to the follower first in line
+/// (one transaction writes the next token and the lease key on the
+/// follower's etcd lease), then revokes the holder's etcd lease, so none is
+/// left to expire. A follower with a fence floor to apply first is never
+/// handed a lease: it takes it itself, above its floor.
+#[test]
+fn a_release_hands_the_lease_to_the_first_in_line_and_revokes_its_own() {
+    let etcd = EtcdCluster::start(1);
+    let sandbox = Sandbox::new();
+    for (round, floor) in [(0, None), (1, Some("100"))] {
+        let stop = format!("stop-{round}");
+        let mut leader = sandbox
+            .leaderrun_on(&etcd.url(), "hand")
+            .args(["-v"])
+            .sh(&format!(
+                "echo $LEADERRUN_TOKEN > a-token-{round}; while [ ! -e {stop} ]; do sleep 0.01; done"
+            ))
+            .spawn();
+        assert!(
+            wait_until(LONG, || !sandbox
+                .read(&format!("a-token-{round}"))
+                .is_empty()),
+            "{}",
+            leader.stderr()
+        );
+        let mut follower = sandbox.leaderrun_on(&etcd.url(), "hand");
+        follower.args(["--campaign-every", "10s"]);
+        if let Some(floor) = floor {
+            follower.args(["--fence-floor-cmd", &format!("echo {floor}")]);
+        }
+        let mut follower = follower
+            .sh(&format!("echo $LEADERRUN_TOKEN > b-token-{round}"))
+            .spawn();
+        assert!(follower.wait_log("campaign started", LONG));
+        std::thread::sleep(Duration::from_millis(500));
+        std::fs::write(sandbox.path(&stop), "").unwrap();
+        assert_eq!(leader.wait(LONG), Some(0), "{}", leader.stderr());
+        assert_eq!(follower.wait(LONG), Some(0), "{}", follower.stderr());
+        let held: u64 = sandbox
+            .read(&format!("a-token-{round}"))
+            .trim()
+            .parse()
+            .unwrap();
+        let taken: u64 = sandbox
+            .read(&format!("b-token-{round}"))
+            .trim()
+            .parse()
+            .unwrap();
+        let handed = leader.stderr().contains("lease handed over");
+        match floor {
+            None => assert!(
+                handed && taken == held + 1,
+                "{held} -> {taken}: {}",
+                leader.stderr()
+            ),
+            Some(floor) => assert!(
+                !handed && taken == floor.parse::<u64>().unwrap() + 1,
+                "{held} -> {taken}: {}",
+                leader.stderr()
+            ),
+        }
+        let leases = etcd.etcdctl(&["lease", "list"]);
+        assert_eq!(
+            String::from_utf8_lossy(&leases.stdout).trim(),
+            "found 0 leases",
+            "an etcd lease outlived its run"
+        );
+    }
+}
+
 #[test]
 fn users_and_passwords_are_etcds_and_never_leak() {
     let etcd = EtcdCluster::start(1);

@@ -552,6 +552,7 @@ fn no_one_acquires_while_a_fenced_transaction_is_open() {
                 me: Identity::new(owner),
                 ttl: Duration::from_millis(500),
                 call_timeout: Duration::from_millis(300),
+                hand_over: false,
             })
             .unwrap()
     };

@@ -56,6 +56,10 @@ impl LeaseStore for Bounded {
         Box::pin(bounded(self.call_timeout, self.inner.release(token)))
     }
 
+    fn release_last(&self, token: u64) -> Call<'_, bool> {
+        Box::pin(bounded(self.call_timeout, self.inner.release_last(token)))
+    }
+
     fn advance_fence(&self, floor: u64) -> Call<'_, u64> {
         Box::pin(bounded(self.call_timeout, self.inner.advance_fence(floor)))
     }
@@ -87,5 +91,9 @@ impl LeaseStore for Bounded {
 
     fn wakes_on_release(&self) -> bool {
         self.inner.wakes_on_release()
+    }
+
+    fn acquired_since(&self) -> Option<std::time::Instant> {
+        self.inner.acquired_since()
     }
 }

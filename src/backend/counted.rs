@@ -46,6 +46,11 @@ impl LeaseStore for Counted {
         self.inner.release(token)
     }
 
+    fn release_last(&self, token: u64) -> Call<'_, bool> {
+        self.count();
+        self.inner.release_last(token)
+    }
+
     fn advance_fence(&self, floor: u64) -> Call<'_, u64> {
         self.count();
         self.inner.advance_fence(floor)
@@ -76,6 +81,10 @@ impl LeaseStore for Counted {
 
     fn wakes_on_release(&self) -> bool {
         self.inner.wakes_on_release()
+    }
+
+    fn acquired_since(&self) -> Option<std::time::Instant> {
+        self.inner.acquired_since()
     }
 
     fn keep_fds(&self) -> Vec<std::os::fd::RawFd> {

@@ -25,7 +25,7 @@ pub mod url;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 
@@ -81,6 +81,11 @@ pub struct LeaseConfig {
     /// The bound on every call (`Bounded` enforces it; a backend also uses
     /// it for its own connection timeouts and lock waits).
     pub call_timeout: Duration,
+    /// A release may hand the lease straight to this replica while it waits
+    /// (on a backend that can): false where taking a lease needs more than
+    /// the backend's say-so (a fence floor to apply first, a shard the
+    /// replica may not want).
+    pub hand_over: bool,
 }
 
 impl LeaseConfig {
@@ -92,6 +97,7 @@ impl LeaseConfig {
             me: Identity::new("status"),
             ttl: Duration::from_secs(1),
             call_timeout,
+            hand_over: false,
         }
     }
 }
@@ -122,6 +128,13 @@ pub trait LeaseStore: Send + Sync {
     /// Gives up the lease of `token` if this replica still holds it, and lets
     /// one waiting replica know. False if it was no longer held.
     fn release(&self, token: u64) -> Call<'_, bool>;
+
+    /// Gives the lease up as `release` does, at the end of the run: only
+    /// `withdraw` comes after, and a backend that can do both in one call
+    /// does (its `withdraw` then has nothing left to do).
+    fn release_last(&self, token: u64) -> Call<'_, bool> {
+        self.release(token)
+    }
 
     /// Moves the token counter up to at least `floor`; returns the counter.
     /// A floor above the backend's largest token is `Fatal::FloorOutOfRange`.
@@ -157,6 +170,14 @@ pub trait LeaseStore: Send + Sync {
     /// lock lives as long as any descriptor of it.
     fn keep_fds(&self) -> Vec<std::os::fd::RawFd> {
         Vec::new()
+    }
+
+    /// When the lease an attempt just acquired was last made to last a ttl
+    /// on the server, if that was before the attempt began: a lease handed
+    /// to this replica by the last holder hangs on its session, kept alive
+    /// earlier. The term's deadline is counted from the earlier moment.
+    fn acquired_since(&self) -> Option<Instant> {
+        None
     }
 
     /// This replica leads and its term's first process has started: it gives

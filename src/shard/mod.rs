@@ -67,6 +67,7 @@ impl Leases {
             me: me.clone(),
             ttl: timing.ttl,
             call_timeout: timing.call_timeout(),
+            hand_over: false,
         };
         let membership = Counted::wrap(
             backend.lease(config(key.to_owned()))?,

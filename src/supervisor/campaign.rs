@@ -395,7 +395,15 @@ impl<P: Processes> Supervisor<P> {
                 let _ = tokio::time::timeout(STOP_GRACE, store.release(token)).await;
             }
         }
-        Ok((answer?, sent_at))
+        let answer = answer?;
+        // A lease handed over was made to last from an earlier moment.
+        let counted_from = match answer {
+            Attempt::Acquired { .. } => store
+                .acquired_since()
+                .map_or(sent_at, |at| Instant::from_std(at).min(sent_at)),
+            _ => sent_at,
+        };
+        Ok((answer, counted_from))
     }
 
     /// Runs the fence-floor command and parses what it printed.

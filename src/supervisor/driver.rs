@@ -155,7 +155,7 @@ pub async fn run<P: Processes>(
                     let sent_at = Instant::now();
                     renewal = Some(Box::pin(async move { (sent_at, store.renew(token).await) }));
                 }
-                Action::Release => release(store.as_ref(), token).await,
+                Action::Release { last } => release(store.as_ref(), token, last).await,
                 Action::Finish(end) => {
                     if end.stopped
                         || matches!(end.reason, EndReason::ChildExited | EndReason::Stopped)
@@ -233,11 +233,16 @@ pub async fn run<P: Processes>(
 }
 
 /// Gives the lease up; a failure only means it lapses at its expiry.
-async fn release(store: &dyn LeaseStore, token: u64) {
+async fn release(store: &dyn LeaseStore, token: u64, last: bool) {
     // Called again before the release (it is idempotent): the place in line
     // must be given up before the release can wake anyone.
     store.leading();
-    match store.release(token).await {
+    let released = if last {
+        store.release_last(token).await
+    } else {
+        store.release(token).await
+    };
+    match released {
         Ok(true) => info!(token, "lease released"),
         Ok(false) => info!(token, "lease already lapsed; nothing to release"),
         Err(error) => {

@@ -213,6 +213,7 @@ impl<P: Processes> Supervisor<P> {
                 yield_signal: self.spec.yield_signal,
                 hold_for: self.spec.hold_for,
                 claim: self.spec.claim_cmd.is_some(),
+                run_ends_with_command: self.shard.is_none(),
             };
             let outcome = driver::run(
                 driver::TermInputs {

@@ -115,8 +115,11 @@ pub enum Action {
     Kill,
     /// Send a renewal now.
     Renew,
-    /// Give the lease up (the term is over and the lease was not lost).
-    Release,
+    /// Give the lease up (the term is over and the lease was not lost);
+    /// `last`: the run ends with this term.
+    Release {
+        last: bool,
+    },
     /// The term is over.
     Finish(TermEnd),
 }
@@ -140,6 +143,8 @@ pub struct TermSettings {
     pub yield_signal: Signal,
     pub hold_for: Duration,
     pub claim: bool,
+    /// A command that exits, or a stop, ends the run (not in shard mode).
+    pub run_ends_with_command: bool,
 }
 
 #[derive(Debug)]
@@ -582,7 +587,9 @@ impl Term {
     fn finish(&mut self, reason: EndReason, actions: &mut Vec<Action>) {
         self.phase = Phase::Done(reason);
         if !self.lost {
-            actions.push(Action::Release);
+            let last = self.settings.run_ends_with_command
+                && (self.stopping || matches!(reason, EndReason::ChildExited | EndReason::Stopped));
+            actions.push(Action::Release { last });
         }
         actions.push(Action::Finish(TermEnd {
             reason,

@@ -206,6 +206,7 @@ impl Rig {
                 me: Identity::new("me"),
                 ttl: Timing::DEFAULT.ttl,
                 call_timeout: Timing::DEFAULT.call_timeout(),
+                hand_over: false,
             })
             .unwrap();
         Rig {
@@ -217,6 +218,7 @@ impl Rig {
                 yield_signal: Signal::SIGTERM,
                 hold_for: Duration::ZERO,
                 claim: false,
+                run_ends_with_command: true,
             },
             claim: None,
             start,

@@ -605,6 +605,7 @@ pub fn wakes_of_a_hundred_followers(
                 me: Identity::new(owner),
                 ttl: Duration::from_secs(30),
                 call_timeout: Duration::from_secs(5),
+                hand_over: false,
             })
             .unwrap()
     };

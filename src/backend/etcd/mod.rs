@@ -35,8 +35,9 @@
 mod client;
 mod url;
 
+use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -147,9 +148,16 @@ impl EtcdBackend {
             me: lease.me,
             shown: self.url.to_string(),
             session: Mutex::new(None),
+            alive_since: Mutex::new(None),
             last_record: Mutex::new(None),
             highest_seen: AtomicU64::new(0),
+            seen: Arc::new(Mutex::new(None)),
+            term: Mutex::new(None),
+            last_term: AtomicI64::new(0),
+            hand_over: lease.hand_over,
+            withdrawn: AtomicBool::new(false),
             wake: Arc::new(Waiter::default()),
+            line: Arc::new(Line::default()),
         }
     }
 }
@@ -182,7 +190,9 @@ impl Keys {
     }
 }
 
-/// The lease record: `TOKEN INSTANCE ATTEMPT OWNER`.
+/// The lease record: `TOKEN INSTANCE ATTEMPT OWNER`. A lease handed over by
+/// a release has attempt 0 (attempts count from 1).
+#[derive(Clone)]
 struct LeaseRecord {
     token: u64,
     instance: String,
@@ -213,6 +223,28 @@ impl LeaseRecord {
     }
 }
 
+/// What this replica last saw of the lease key and the counter: an
+/// attempt that finds the lease free in it is one transaction, whose
+/// conditions catch anything that changed since (and whose failure branch
+/// reads both again).
+#[derive(Clone)]
+struct Seen {
+    lease: Option<LeaseRecord>,
+    counter: u64,
+    counter_revision: i64,
+}
+
+impl Seen {
+    fn parse(lease: &[Value], counter: &[Value]) -> Result<Seen, StoreError> {
+        let (counter, counter_revision) = counter_of(counter.first())?;
+        Ok(Seen {
+            lease: lease.first().map(LeaseRecord::parse).transpose()?,
+            counter,
+            counter_revision,
+        })
+    }
+}
+
 /// A follower's wake-ups, from its watch.
 #[derive(Default)]
 struct Waiter {
@@ -220,6 +252,78 @@ struct Waiter {
     /// The watch runs and this replica has a place in line.
     watching: AtomicBool,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// A lease record naming this replica, written by a release that
+    /// handed it the lease.
+    handed: Mutex<Option<LeaseRecord>>,
+}
+
+/// The followers in line, as a holder's watch of the line sees them: the
+/// first is who a release hands the lease to.
+#[derive(Default)]
+struct Line {
+    /// By place (the key's creation revision).
+    places: Mutex<BTreeMap<i64, Place>>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// A follower's place in line: `line/INSTANCE`, its value `h OWNER` when
+/// it takes a lease handed to it (`- OWNER` when not), on its etcd lease.
+#[derive(Clone)]
+struct Place {
+    instance: String,
+    owner: String,
+    takes_handover: bool,
+    session: i64,
+    revision: i64,
+}
+
+impl Line {
+    fn stop(&self) {
+        if let Some(task) = self.task.lock().unwrap().take() {
+            task.abort();
+        }
+        self.places.lock().unwrap().clear();
+    }
+
+    /// Applies a key-value of the line (a range's or a watch event's).
+    fn put(&self, keys: &Keys, kv: &Value) {
+        let key = String::from_utf8_lossy(&unb64(&kv["key"])).into_owned();
+        let Some(instance) = key.strip_prefix(&keys.line) else {
+            return;
+        };
+        let value = String::from_utf8_lossy(&unb64(&kv["value"])).into_owned();
+        let (flag, owner) = value.split_once(' ').unwrap_or(("-", ""));
+        let place = Place {
+            instance: instance.to_owned(),
+            owner: owner.to_owned(),
+            takes_handover: flag == "h",
+            session: int(&kv["lease"]),
+            revision: int(&kv["mod_revision"]),
+        };
+        let mut places = self.places.lock().unwrap();
+        places.retain(|_, p| p.instance != place.instance);
+        places.insert(int(&kv["create_revision"]), place);
+    }
+
+    fn delete(&self, keys: &Keys, kv: &Value) {
+        let key = String::from_utf8_lossy(&unb64(&kv["key"])).into_owned();
+        if let Some(instance) = key.strip_prefix(&keys.line) {
+            self.places
+                .lock()
+                .unwrap()
+                .retain(|_, p| p.instance != instance);
+        }
+    }
+
+    /// The follower first in line (other than `me`).
+    fn first(&self, me: &str) -> Option<Place> {
+        self.places
+            .lock()
+            .unwrap()
+            .values()
+            .find(|p| p.instance != me)
+            .cloned()
+    }
 }
 
 impl Waiter {
@@ -242,11 +346,30 @@ pub struct EtcdStore {
     shown: String,
     /// This replica's etcd lease, once granted.
     session: Mutex<Option<i64>>,
+    /// When `session` was last granted or kept alive (the request's send):
+    /// the server keeps it at least a ttl from then.
+    alive_since: Mutex<Option<Instant>>,
     /// When this replica's record was last written.
     last_record: Mutex<Option<Instant>>,
     /// The highest token this replica has seen, its own or a holder's.
     highest_seen: AtomicU64,
+    /// What this replica last saw of the lease and the counter (none until
+    /// it first looked).
+    seen: Arc<Mutex<Option<Seen>>>,
+    /// This replica's running term: its token and the revision that wrote
+    /// its lease record.
+    term: Mutex<Option<(u64, i64)>>,
+    /// The revision of this replica's last term's record: a record handed
+    /// to it is taken only if newer.
+    last_term: AtomicI64,
+    /// Whether a release may hand the lease to a follower that takes
+    /// handovers, and this replica take one handed to it.
+    hand_over: bool,
+    /// A last release revoked this replica's etcd lease: nothing is left to
+    /// withdraw.
+    withdrawn: AtomicBool,
     wake: Arc<Waiter>,
+    line: Arc<Line>,
 }
 
 fn put(key: &str, value: &str, lease: Option<i64>) -> Value {
@@ -309,6 +432,11 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
+/// Whether a call failed because the etcd lease it named is gone.
+fn lease_gone(error: &StoreError) -> bool {
+    matches!(error, StoreError::Unreachable(Unreachable::Server(why)) if why.contains("requested lease not found"))
+}
+
 /// The key-values of the `n`th response of a transaction.
 fn kvs(reply: &Value, n: usize) -> Vec<Value> {
     reply["responses"][n]["response_range"]["kvs"]
@@ -360,6 +488,7 @@ impl EtcdStore {
         if let Some(id) = *self.session.lock().unwrap() {
             return Ok(id);
         }
+        let sent = Instant::now();
         let granted = self
             .call("lease/grant", json!({"TTL": self.ttl_secs.max(1)}))
             .await?;
@@ -368,32 +497,63 @@ impl EtcdStore {
             return Err(Unreachable::Server(format!("etcd: no lease granted: {granted}")).into());
         }
         *self.session.lock().unwrap() = Some(id);
+        *self.alive_since.lock().unwrap() = Some(sent);
         Ok(id)
+    }
+
+    /// This replica's etcd lease, kept alive now unless that was done less
+    /// than a third of a ttl ago (`acquired_since` tells the supervisor
+    /// when), or granted anew if it had expired.
+    async fn fresh_session(&self) -> Result<i64, StoreError> {
+        let since = *self.alive_since.lock().unwrap();
+        let session = *self.session.lock().unwrap();
+        match session {
+            Some(id) if since.is_some_and(|at| at.elapsed() < self.ttl() / 3) => Ok(id),
+            _ => self.live_session().await,
+        }
+    }
+
+    fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl_secs.max(1) as u64)
+    }
+
+    /// Forgets this replica's etcd lease after the server said it is gone.
+    fn forget_session(&self, id: i64) {
+        let mut session = self.session.lock().unwrap();
+        if *session == Some(id) {
+            *session = None;
+            *self.alive_since.lock().unwrap() = None;
+            *self.last_record.lock().unwrap() = None;
+        }
     }
 
     /// This replica's etcd lease, kept alive now (a keep-alive is no etcd
     /// write), or granted anew if it had expired, with its records.
     async fn live_session(&self) -> Result<i64, StoreError> {
-        let session = self.session().await?;
-        if self.keep_alive(session).await? {
-            return Ok(session);
+        let known = *self.session.lock().unwrap();
+        if let Some(session) = known {
+            if self.keep_alive(session).await? {
+                return Ok(session);
+            }
         }
-        *self.last_record.lock().unwrap() = None;
+        // Never granted, or expired: a new one lasts a ttl from its grant.
         self.session().await
     }
 
     /// Keeps this replica's etcd lease alive: false if it had expired (its
     /// keys are gone; a new one is granted on next use).
     async fn keep_alive(&self, id: i64) -> Result<bool, StoreError> {
+        let sent = Instant::now();
         let reply = self
             .call("lease/keepalive", json!({"ID": id.to_string()}))
             .await?;
         let alive = int(&reply["result"]["TTL"]) > 0;
-        if !alive {
-            let mut session = self.session.lock().unwrap();
-            if *session == Some(id) {
-                *session = None;
+        if alive {
+            if *self.session.lock().unwrap() == Some(id) {
+                *self.alive_since.lock().unwrap() = Some(sent);
             }
+        } else {
+            self.forget_session(id);
         }
         Ok(alive)
     }
@@ -444,40 +604,107 @@ impl EtcdStore {
         })
     }
 
+    /// Reads the lease key and the counter (and refreshes this replica's
+    /// record as a follower's on `session` if it is due: an acquisition
+    /// writes it again, leading).
+    async fn look(&self, session: Option<i64>) -> Result<Seen, StoreError> {
+        let mut read = vec![range(&self.keys.lease), range(&self.keys.counter)];
+        if let Some(session) = session.filter(|_| self.record_due()) {
+            read.push(put(
+                &self.keys.my_candidate,
+                &self.record(false),
+                Some(session),
+            ));
+        }
+        let read = self.txn(vec![], read, vec![]).await?;
+        let seen = Seen::parse(&kvs(&read, 0), &kvs(&read, 1))?;
+        *self.seen.lock().unwrap() = Some(seen.clone());
+        Ok(seen)
+    }
+
+    /// This replica's term began at `revision` with `token`.
+    fn began(&self, record: LeaseRecord, initial_line: Option<(Vec<Value>, i64)>) {
+        let (token, revision) = (record.token, record.mod_revision);
+        self.saw(token);
+        *self.term.lock().unwrap() = Some((token, revision));
+        self.last_term.fetch_max(revision, Ordering::SeqCst);
+        *self.seen.lock().unwrap() = Some(Seen {
+            lease: Some(record),
+            counter: token,
+            counter_revision: revision,
+        });
+        self.line.stop();
+        *self.line.task.lock().unwrap() = Some(tokio::spawn(watch_line(
+            self.client.clone(),
+            self.keys.clone(),
+            self.line.clone(),
+            initial_line,
+        )));
+    }
+
+    /// The term is over without a release.
+    fn lost(&self) {
+        *self.term.lock().unwrap() = None;
+        self.line.stop();
+    }
+
+    /// The lease the last holder's release handed to this replica: no
+    /// request at all if its etcd lease was kept alive within half a ttl
+    /// (the term is counted from then), else a keep-alive.
+    async fn take_handed(&self) -> Result<Option<u64>, StoreError> {
+        let Some(record) = self.wake.handed.lock().unwrap().take() else {
+            return Ok(None);
+        };
+        let Some(session) = *self.session.lock().unwrap() else {
+            return Ok(None);
+        };
+        let fresh = self
+            .alive_since
+            .lock()
+            .unwrap()
+            .is_some_and(|at| at.elapsed() < self.ttl() / 2);
+        if !fresh && !self.keep_alive(session).await? {
+            return Ok(None);
+        }
+        let handed = self.hand_over
+            && record.instance == self.me.instance
+            && record.attempt == 0
+            && record.lease_id == session
+            && record.mod_revision > self.last_term.load(Ordering::SeqCst);
+        if !handed {
+            return Ok(None);
+        }
+        let token = record.token;
+        self.began(record, None);
+        Ok(Some(token))
+    }
+
     async fn acquire_once(&self, attempt: u64) -> Result<Attempt, StoreError> {
+        if let Some(token) = self.take_handed().await? {
+            return Ok(Attempt::Acquired { token });
+        }
         // The lease key will hang on this replica's etcd lease, which the
-        // server keeps a ttl from its last keep-alive. That must be no
-        // earlier than this call's start, from which the supervisor counts
-        // the term: keep it alive first.
-        let session = self.live_session().await?;
+        // server keeps a ttl from its last keep-alive (or its grant): the
+        // supervisor counts the term from then (`acquired_since`).
+        let mut session = self.fresh_session().await?;
+        let cached = self.seen.lock().unwrap().clone();
+        let mut seen = match cached {
+            Some(seen) => (seen, false),
+            None => (self.look(Some(session)).await?, true),
+        };
         for _ in 0..3 {
-            // The read refreshes this replica's record as a follower's (an
-            // acquisition writes it again, leading), unless it was written
-            // within a quarter ttl: a follower woken by a release spares
-            // the write.
-            let mut read = vec![range(&self.keys.lease), range(&self.keys.counter)];
-            if self.record_due() {
-                read.push(put(
-                    &self.keys.my_candidate,
-                    &self.record(false),
-                    Some(session),
-                ));
-            }
-            let read = self.txn(vec![], read, vec![]).await?;
-            let current = kvs(&read, 0).first().map(LeaseRecord::parse).transpose()?;
-            let (counter, counter_revision) = counter_of(kvs(&read, 1).first())?;
-            self.saw(counter);
+            let (current, fresh) = (&seen.0, seen.1);
             let mine = |record: &LeaseRecord| record.instance == self.me.instance;
             // The condition the lease key must meet, and the token of a
             // repeated attempt (it keeps its token).
-            let (guard, repeated) = match &current {
+            let (guard, repeated) = match &current.lease {
                 Some(record) if mine(record) && record.attempt == attempt => {
                     // A repeat of an attempt whose reply was lost.
                     self.saw(record.token);
-                    if record.lease_id == session {
-                        return Ok(Attempt::Acquired {
-                            token: record.token,
-                        });
+                    if record.lease_id == session && fresh {
+                        let token = record.token;
+                        self.began(record.clone(), None);
+                        return Ok(Attempt::Acquired { token });
                     }
                     // Its etcd lease was replaced: the key goes with the old.
                     let guard = same_revision(&self.keys.lease, record.mod_revision);
@@ -487,12 +714,25 @@ impl EtcdStore {
                 Some(record) if mine(record) => {
                     (same_revision(&self.keys.lease, record.mod_revision), None)
                 }
+                // What this replica saw last may be old: look again.
+                Some(_) if !fresh => {
+                    seen = (self.look(Some(session)).await?, true);
+                    continue;
+                }
                 Some(record) => {
+                    if self.record_due() {
+                        let record =
+                            put(&self.keys.my_candidate, &self.record(false), Some(session));
+                        self.call("kv/put", record["request_put"].clone()).await?;
+                    }
                     return Ok(Attempt::Held(self.holder(record).await?));
                 }
                 None => (absent(&self.keys.lease), None),
             };
-            let highest = self.highest_seen.load(Ordering::SeqCst).max(counter);
+            let highest = self
+                .highest_seen
+                .load(Ordering::SeqCst)
+                .max(current.counter);
             if highest >= MAX_TOKEN {
                 return Err(Fatal::CounterExhausted {
                     counter: highest,
@@ -502,23 +742,50 @@ impl EtcdStore {
             }
             let token = repeated.unwrap_or(highest + 1);
             let value = format!("{token} {} {attempt} {}", self.me.instance, self.me.owner);
-            let won = self
+            *self.last_record.lock().unwrap() = Some(Instant::now());
+            let reply = self
                 .txn(
-                    vec![guard, same_revision(&self.keys.counter, counter_revision)],
+                    vec![
+                        guard,
+                        same_revision(&self.keys.counter, current.counter_revision),
+                    ],
                     vec![
                         put(&self.keys.counter, &token.to_string(), None),
                         put(&self.keys.lease, &value, Some(session)),
                         put(&self.keys.my_candidate, &self.record(true), Some(session)),
                         delete(&self.keys.my_place),
+                        range_prefix(&self.keys.line, 0),
                     ],
-                    vec![],
+                    vec![range(&self.keys.lease), range(&self.keys.counter)],
                 )
-                .await?;
+                .await;
+            let won = match reply {
+                Err(e) if lease_gone(&e) => {
+                    // This replica's etcd lease expired: grant another.
+                    self.forget_session(session);
+                    session = self.fresh_session().await?;
+                    seen = (self.look(Some(session)).await?, true);
+                    continue;
+                }
+                reply => reply?,
+            };
             if won["succeeded"].as_bool().unwrap_or(false) {
-                self.saw(token);
+                let revision = int(&won["header"]["revision"]);
+                let record = LeaseRecord {
+                    token,
+                    instance: self.me.instance.clone(),
+                    attempt,
+                    owner: self.me.owner.clone(),
+                    lease_id: session,
+                    mod_revision: revision,
+                };
+                self.began(record, Some((kvs(&won, 4), revision)));
                 return Ok(Attempt::Acquired { token });
             }
-            // Another replica got there first, or the counter moved: again.
+            // Another replica got there first, or the counter moved: again,
+            // with what the failure branch read.
+            seen = (Seen::parse(&kvs(&won, 0), &kvs(&won, 1))?, true);
+            *self.seen.lock().unwrap() = Some(seen.0.clone());
         }
         Ok(Attempt::HeldOff {
             retry_in: Duration::ZERO,
@@ -545,12 +812,164 @@ impl EtcdStore {
             {
                 Ok(())
             }
-            Some(record) => Err(RenewError::Lost(Some(self.holder(&record).await?))),
-            None => Err(RenewError::Lost(None)),
+            Some(record) => {
+                self.lost();
+                Err(RenewError::Lost(Some(self.holder(&record).await?)))
+            }
+            None => {
+                self.lost();
+                Err(RenewError::Lost(None))
+            }
         }
     }
 
     async fn release_once(&self, token: u64) -> Result<bool, StoreError> {
+        let term = *self.term.lock().unwrap();
+        let Some((_, revision)) = term.filter(|(held, _)| *held == token) else {
+            // A term this copy of the store did not begin (the guard's).
+            return self.release_looked_up(token).await;
+        };
+        let next = self.line.first(&self.me.instance);
+        self.line.stop();
+        let mut record = vec![];
+        if let Some(session) = *self.session.lock().unwrap() {
+            record.push(put(
+                &self.keys.my_candidate,
+                &self.record(false),
+                Some(session),
+            ));
+        }
+        if let Some(next) = next.as_ref().filter(|n| self.hand_over && n.takes_handover) {
+            if self.hand_to(token, revision, next, &record).await? {
+                *self.term.lock().unwrap() = None;
+                return Ok(true);
+            }
+        }
+        // The lease key goes; the follower first in line is named in `wake`
+        // (or, if the holder's watch of the line missed it, right after).
+        let mut success = vec![delete(&self.keys.lease)];
+        success.extend(record);
+        if let Some(next) = &next {
+            success.push(put(&self.keys.wake, &next.instance, None));
+        }
+        success.push(range_prefix(&self.keys.line, 2));
+        let done = self
+            .txn(
+                vec![same_revision(&self.keys.lease, revision)],
+                success.clone(),
+                vec![],
+            )
+            .await?;
+        *self.term.lock().unwrap() = None;
+        if !done["succeeded"].as_bool().unwrap_or(false) {
+            return Ok(false);
+        }
+        if let Some(seen) = self.seen.lock().unwrap().as_mut() {
+            seen.lease = None;
+        }
+        if next.is_none() {
+            let first = kvs(&done, success.len() - 1)
+                .iter()
+                .map(|kv| String::from_utf8_lossy(&unb64(&kv["key"])).into_owned())
+                .find(|key| *key != self.keys.my_place)
+                .and_then(|key| key.strip_prefix(&self.keys.line).map(str::to_owned));
+            if let Some(first) = first {
+                let wake = put(&self.keys.wake, &first, None);
+                self.call("kv/put", wake["request_put"].clone()).await?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// The release at the end of the run: the lease goes to the follower
+    /// first in line if it takes handovers, then one revocation of this
+    /// replica's etcd lease deletes the lease key (if still this replica's:
+    /// it hangs on that etcd lease) and its records at once. Followers see
+    /// the lease key go and the first in line wakes.
+    async fn release_last_once(&self, token: u64) -> Result<bool, StoreError> {
+        let term = *self.term.lock().unwrap();
+        let session = *self.session.lock().unwrap();
+        let (Some((_, revision)), Some(session)) =
+            (term.filter(|(held, _)| *held == token), session)
+        else {
+            return self.release_once(token).await;
+        };
+        let next = self.line.first(&self.me.instance);
+        self.line.stop();
+        self.wake.stop();
+        if let Some(next) = next.as_ref().filter(|n| self.hand_over && n.takes_handover) {
+            self.hand_to(token, revision, next, &[]).await?;
+        }
+        let revoked = self
+            .call("lease/revoke", json!({"ID": session.to_string()}))
+            .await;
+        *self.term.lock().unwrap() = None;
+        match revoked {
+            Ok(_) => {
+                self.forget_session(session);
+                self.withdrawn.store(true, Ordering::SeqCst);
+                Ok(true)
+            }
+            // It had expired, and the lease key with it.
+            Err(e) if lease_gone(&e) => {
+                self.forget_session(session);
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Hands the lease of `token` (written at `revision`) to `next`, in one
+    /// transaction: the next token, the lease key on `next`'s etcd lease
+    /// and out of line, if this replica still holds the lease, the counter
+    /// has not moved and `next` still waits. False if any of that changed
+    /// (or `next`'s etcd lease is gone): the caller releases plainly.
+    async fn hand_to(
+        &self,
+        token: u64,
+        revision: i64,
+        next: &Place,
+        record: &[Value],
+    ) -> Result<bool, StoreError> {
+        let handed = token + 1;
+        if handed > MAX_TOKEN {
+            return Ok(false);
+        }
+        let place = format!("{}{}", self.keys.line, next.instance);
+        let value = format!("{handed} {} 0 {}", next.instance, next.owner);
+        let mut success = vec![
+            put(&self.keys.counter, &handed.to_string(), None),
+            put(&self.keys.lease, &value, Some(next.session)),
+            delete(&place),
+            put(&self.keys.wake, &next.instance, None),
+        ];
+        success.extend(record.iter().cloned());
+        let reply = self
+            .txn(
+                vec![
+                    same_revision(&self.keys.lease, revision),
+                    same_revision(&self.keys.counter, revision),
+                    same_revision(&place, next.revision),
+                ],
+                success,
+                vec![],
+            )
+            .await;
+        match reply {
+            Ok(reply) if reply["succeeded"].as_bool().unwrap_or(false) => {
+                tracing::debug!(to = %next.owner, token = handed, "lease handed over");
+                self.saw(handed);
+                *self.seen.lock().unwrap() = None;
+                Ok(true)
+            }
+            Ok(_) => Ok(false),
+            Err(e) if lease_gone(&e) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Releases `token` after reading who holds the lease and who waits.
+    async fn release_looked_up(&self, token: u64) -> Result<bool, StoreError> {
         let read = self
             .txn(
                 vec![],
@@ -682,10 +1101,12 @@ impl EtcdStore {
             return Ok(());
         }
         let session = self.session().await?;
+        let flag = if self.hand_over { "h" } else { "-" };
+        let place = format!("{flag} {}", self.me.owner);
         let placed = self
             .call(
                 "kv/put",
-                put(&self.keys.my_place, "", Some(session))["request_put"].clone(),
+                put(&self.keys.my_place, &place, Some(session))["request_put"].clone(),
             )
             .await?;
         let from = int(&placed["header"]["revision"]) + 1;
@@ -698,6 +1119,7 @@ impl EtcdStore {
             self.keys.clone(),
             self.me.instance.clone(),
             self.wake.clone(),
+            self.seen.clone(),
             from,
         )));
         Ok(())
@@ -712,6 +1134,7 @@ async fn watch(
     keys: Keys,
     instance: String,
     waiter: Arc<Waiter>,
+    seen: Arc<Mutex<Option<Seen>>>,
     mut from: i64,
 ) {
     let create = |from: i64| {
@@ -754,10 +1177,28 @@ async fn watch(
                 if key == keys.wake && !deleted {
                     named |= unb64(&event["kv"]["value"]) == instance.as_bytes();
                     lease_gone = false;
-                } else if key == keys.lease && deleted {
-                    lease_gone = !events
-                        .iter()
-                        .any(|e| unb64(&e["kv"]["key"]) == keys.wake.as_bytes());
+                } else if key == keys.lease {
+                    // What an attempt starts from, kept current.
+                    let record = (!deleted)
+                        .then(|| LeaseRecord::parse(&event["kv"]).ok())
+                        .flatten();
+                    *waiter.handed.lock().unwrap() =
+                        record.clone().filter(|r| r.instance == instance);
+                    if let Some(seen) = seen.lock().unwrap().as_mut() {
+                        seen.lease = record;
+                    }
+                    lease_gone = deleted
+                        && !events
+                            .iter()
+                            .any(|e| unb64(&e["kv"]["key"]) == keys.wake.as_bytes());
+                } else if key == keys.counter && !deleted {
+                    if let (Some(seen), Ok((counter, revision))) = (
+                        seen.lock().unwrap().as_mut(),
+                        counter_of(Some(&event["kv"])),
+                    ) {
+                        seen.counter = counter;
+                        seen.counter_revision = revision;
+                    }
                 }
             }
             if named || (lease_gone && first_in_line(&client, &keys, &instance).await) {
@@ -765,6 +1206,68 @@ async fn watch(
             }
         }
         waiter.watching.store(false, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A holder's watch of the line: keeps `line` current, from `initial` (the
+/// line's keys and the revision they were read at) or a read of its own.
+/// Re-opened after a break, from where it stopped.
+async fn watch_line(
+    client: Arc<Client>,
+    keys: Keys,
+    line: Arc<Line>,
+    initial: Option<(Vec<Value>, i64)>,
+) {
+    let read = || async {
+        let reply = client
+            .call("kv/range", &range_prefix(&keys.line, 0)["request_range"])
+            .await
+            .ok()?;
+        let kvs = reply["kvs"].as_array().cloned().unwrap_or_default();
+        Some((kvs, int(&reply["header"]["revision"])))
+    };
+    // A term that ends within this time releases to whom the acquisition
+    // saw in line (the release reads the line too): a cycle of a command
+    // that does nothing opens no watch.
+    if initial.is_some() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut initial = initial;
+    loop {
+        let Some((places, revision)) = (match initial.take() {
+            Some(initial) => Some(initial),
+            None => read().await,
+        }) else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        line.places.lock().unwrap().clear();
+        for kv in &places {
+            line.put(&keys, kv);
+        }
+        let create = json!({
+            "key": b64(keys.line.as_bytes()),
+            "range_end": b64(&prefix_end(keys.line.as_bytes())),
+            "start_revision": (revision + 1).to_string(),
+        });
+        let Ok(mut stream) = client.watch(create).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        while let Ok(result) = stream.next().await {
+            if result["canceled"].as_bool().unwrap_or(false) {
+                break;
+            }
+            for event in result["events"].as_array().into_iter().flatten() {
+                if event["type"].as_str() == Some("DELETE") {
+                    line.delete(&keys, &event["kv"]);
+                } else {
+                    line.put(&keys, &event["kv"]);
+                }
+            }
+        }
+        // Read the line again: events may have been missed.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -787,10 +1290,10 @@ async fn first_in_line(client: &Client, keys: &Keys, instance: &str) -> bool {
 impl LeaseStore for EtcdStore {
     fn check(&self) -> BoxFuture<'_, Result<Option<Unreachable>, Fatal>> {
         Box::pin(async move {
-            match self
-                .txn(vec![], vec![range(&self.keys.counter)], vec![])
-                .await
-            {
+            // The etcd lease is granted at the same time: an acquisition
+            // then needs one transaction.
+            let (looked, granted) = tokio::join!(self.look(None), self.session());
+            match looked.and(granted) {
                 Ok(_) => Ok(None),
                 Err(StoreError::Fatal(fatal)) => Err(fatal),
                 Err(StoreError::Unreachable(why)) => Ok(Some(why)),
@@ -810,6 +1313,10 @@ impl LeaseStore for EtcdStore {
         Box::pin(self.release_once(token))
     }
 
+    fn release_last(&self, token: u64) -> Call<'_, bool> {
+        Box::pin(self.release_last_once(token))
+    }
+
     fn advance_fence(&self, floor: u64) -> Call<'_, u64> {
         Box::pin(self.advance_once(floor))
     }
@@ -827,6 +1334,10 @@ impl LeaseStore for EtcdStore {
     fn withdraw(&self) -> Call<'_, ()> {
         Box::pin(async move {
             self.wake.stop();
+            self.line.stop();
+            if self.withdrawn.load(Ordering::SeqCst) {
+                return Ok(());
+            }
             let session = self.session.lock().unwrap().take();
             match session {
                 // Its records (and a lease key not released) go with it.
@@ -866,14 +1377,20 @@ impl LeaseStore for EtcdStore {
         self.wake.watching.load(Ordering::SeqCst)
     }
 
+    fn acquired_since(&self) -> Option<Instant> {
+        *self.alive_since.lock().unwrap()
+    }
+
     fn leading(&self) {
         // The acquisition took this replica out of line.
         self.wake.stop();
+        self.wake.handed.lock().unwrap().take();
     }
 }
 
 impl Drop for EtcdStore {
     fn drop(&mut self) {
         self.wake.stop();
+        self.line.stop();
     }
 }

@@ -349,6 +349,7 @@ mod tests {
             me: Identity::new(owner),
             ttl: Duration::from_secs(6),
             call_timeout: Duration::from_secs(2),
+            hand_over: false,
         };
         FileStore::open(dir, lease).unwrap().shared
     }
