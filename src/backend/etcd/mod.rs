@@ -725,6 +725,16 @@ impl EtcdStore {
                             put(&self.keys.my_candidate, &self.record(false), Some(session));
                         self.call("kv/put", record["request_put"].clone()).await?;
                     }
+                    // A follower whose watch runs hears of the key's expiry
+                    // from it: it need not ask for the time left.
+                    if self.wake.watching.load(Ordering::SeqCst) {
+                        self.saw(record.token);
+                        return Ok(Attempt::Held(Holder {
+                            owner: record.owner.clone(),
+                            token: record.token,
+                            expires_in: None,
+                        }));
+                    }
                     return Ok(Attempt::Held(self.holder(record).await?));
                 }
                 None => (absent(&self.keys.lease), None),
