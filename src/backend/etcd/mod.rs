@@ -498,6 +498,7 @@ impl EtcdStore {
         }
         *self.session.lock().unwrap() = Some(id);
         *self.alive_since.lock().unwrap() = Some(sent);
+        self.withdrawn.store(false, Ordering::SeqCst);
         Ok(id)
     }
 
@@ -908,7 +909,9 @@ impl EtcdStore {
         self.line.stop();
         self.wake.stop();
         if let Some(next) = next.as_ref().filter(|n| self.hand_over && n.takes_handover) {
-            self.hand_to(token, revision, next, &[]).await?;
+            // Handed or not (an error included), the revocation comes next:
+            // it cannot touch a key handed over (on the follower's lease).
+            let _ = self.hand_to(token, revision, next, &[]).await;
         }
         let revoked = self
             .call("lease/revoke", json!({"ID": session.to_string()}))
