@@ -39,6 +39,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_leaderrun");
 const FOREVER: i64 = -1;
 /// The lease/session ttl of every tool, for comparable failover.
 const TTL_SECS: u64 = 6;
+/// The pause before each interleaved cycle.
+const SETTLE: Duration = Duration::from_millis(20);
 
 fn main() {
     let samples: usize = env_number("LEADERRUN_BENCH_N").unwrap_or(200);
@@ -215,15 +217,19 @@ impl Bench {
         }
         let _ = writeln!(
             out,
-            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit. handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). takeover after kill -9: `kill -9` of the tool's process that holds the lease (leaderrun's supervisor, etcdctl, flock; {TTL_SECS} s ttl for every tool), to the waiting replica's child's start; the killed process's child, if it outlives it, is left running. child after kill -9: whether it went on running. idle follower: a process waiting on a held lease, over 12 s after its first 1.5 s; backend requests: the calls it makes (Redis: commands it sends, scripts and BLPOP, counted by the server; etcd: requests, a watch as one, counted by the server (`grpc_server_started_total`); files and PostgreSQL: lease operations (on PostgreSQL, one statement each), counted by leaderrun's `leaderrun_backend_calls_total`)."
+            "\n- cycle: one uncontended `TOOL ... -- true`, start to exit, each after a 20 ms pause (so what the previous tool left running, a PostgreSQL session ending or a Go runtime exiting, does not fall on it). handover: a waiting replica's child starts after the holder's child ends (its last action to the next child's first). takeover after kill -9: `kill -9` of the tool's process that holds the lease (leaderrun's supervisor, etcdctl, flock; {TTL_SECS} s ttl for every tool), to the waiting replica's child's start; the killed process's child, if it outlives it, is left running. child after kill -9: whether it went on running. idle follower: a process waiting on a held lease, over 12 s after its first 1.5 s; backend requests: the calls it makes (Redis: commands it sends, scripts and BLPOP, counted by the server; etcd: requests, a watch as one, counted by the server (`grpc_server_started_total`); files and PostgreSQL: lease operations (on PostgreSQL, one statement each), counted by leaderrun's `leaderrun_backend_calls_total`)."
         );
     }
 
     /// One sample of each tool's cycle in turn.
+    /// A short pause before each: what the last tool left running (a
+    /// PostgreSQL backend ending its session, a Go runtime's exit) must not
+    /// fall on the next tool's sample.
     fn interleaved_cycles(&self, tools: &[Tool], samples: usize) -> Vec<Vec<f64>> {
         let mut cycles = vec![Vec::new(); tools.len()];
         for _ in 0..samples {
             for (tool, cycle) in tools.iter().zip(cycles.iter_mut()) {
+                std::thread::sleep(SETTLE);
                 cycle.extend(self.cycle(tool, 1));
             }
         }

@@ -1,41 +1,50 @@
 //! The etcd backend: leases on a consensus store.
 //!
 //! - `url.rs`: `etcd://host:port[,host:port…][/prefix]`, `etcds://` for TLS;
-//! - `client.rs`: etcd's v3 JSON gateway over hyper, member by member.
+//! - `client.rs`: etcd's v3 JSON gateway over hyper, member by member;
+//! - `ops.rs`: the operations and conditions transactions are made of;
+//! - `watch.rs`: a follower's watch of the lease's folder, a holder's of
+//!   its line.
 //!
 //! The keys of lease `K` live under `PREFIX/K/` (`K` percent-encoded where
 //! it holds `/` or `%`):
 //!
 //! - `lease`: `TOKEN INSTANCE ATTEMPT OWNER`, attached to the holder's etcd
-//!   lease, so it goes when that lease expires;
+//!   lease, so it goes when that lease expires (attempt 0: handed over);
 //! - `counter`: the last token drawn (or the fence floor), never deleted and
 //!   attached to nothing: tokens only grow, across terms, member restarts
 //!   and a whole cluster's restart;
 //! - `candidates/INSTANCE`: a running replica's record;
 //! - `line/INSTANCE`: a follower waiting, its place the key's creation
-//!   revision;
-//! - `wake`: the follower a release handed the lease to.
+//!   revision, its value `h OWNER` if it takes a lease handed to it;
+//! - `wake`: the follower a release named.
 //!
 //! Each replica has one etcd lease of the ttl (rounded up to whole seconds:
-//! etcd's unit), granted on first use: its records and, while it leads,
-//! the `lease` key hang on it. Renewing is a keep-alive of it, so the server
+//! etcd's unit), granted at startup: its records and, while it leads, the
+//! `lease` key hang on it. Renewing is a keep-alive of it, so the server
 //! keeps the key at least a ttl from the moment the request left, and
 //! usually longer (an etcd leader change extends every lease); the holder
-//! judges its deadline by its own monotonic clock from the request's send,
-//! so its command is dead before the server could let the key go.
+//! judges its deadline by its own monotonic clock from that moment (for an
+//! acquisition, the last keep-alive or grant: `acquired_since`), so its
+//! command is dead before the server could let the key go.
 //!
 //! Acquisition is one transaction, guarded by the `lease` key being absent
-//! (or this replica's, from an earlier term) and by the counter's revision:
-//! it writes the counter, the lease and the record at once. A release
-//! deletes the lease and names, in `wake`, the follower first in line; each
-//! follower watches the key's folder and wakes only for its own name, or,
-//! when the lease went without a release (its holder's etcd lease expired),
-//! only if it is first in line.
+//! (or this replica's, from an earlier term) and by the counter's revision,
+//! as last seen (a failed condition reads both again, in the same
+//! transaction): it writes the counter, the lease and the record at once.
+//! A release hands the lease to the follower first in line, if it takes
+//! handovers, in one transaction (the next token, the key on the
+//! follower's etcd lease), or deletes it and names that follower in
+//! `wake`; the release at the end of a run revokes the etcd lease, which
+//! takes the key and the records with it. Each follower watches the key's
+//! folder and wakes only for its own name, or, when the lease went without
+//! one, only if it is first in line.
 
 mod client;
+mod ops;
 mod url;
+mod watch;
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,10 +53,13 @@ use std::time::{Duration, Instant};
 use futures_util::future::BoxFuture;
 use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
 use serde_json::{Value, json};
-use tokio::sync::Notify;
 
 use self::client::{Client, EtcdError, b64, int, unb64};
+use self::ops::{
+    absent, counter_of, delete, kvs, lease_gone, put, range, range_prefix, same_revision,
+};
 use self::url::EtcdUrl;
+use self::watch::{Line, Place, Waiter, watch, watch_line};
 use super::{
     Attempt, Backend, BackendOptions, Bounded, Call, Candidate, Capabilities, Fatal, Holder,
     Identity, LeaseConfig, LeaseStore, Observation, RenewError, StoreError, Unreachable,
@@ -245,97 +257,6 @@ impl Seen {
     }
 }
 
-/// A follower's wake-ups, from its watch.
-#[derive(Default)]
-struct Waiter {
-    notify: Notify,
-    /// The watch runs and this replica has a place in line.
-    watching: AtomicBool,
-    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// A lease record naming this replica, written by a release that
-    /// handed it the lease.
-    handed: Mutex<Option<LeaseRecord>>,
-}
-
-/// The followers in line, as a holder's watch of the line sees them: the
-/// first is who a release hands the lease to.
-#[derive(Default)]
-struct Line {
-    /// By place (the key's creation revision).
-    places: Mutex<BTreeMap<i64, Place>>,
-    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-/// A follower's place in line: `line/INSTANCE`, its value `h OWNER` when
-/// it takes a lease handed to it (`- OWNER` when not), on its etcd lease.
-#[derive(Clone)]
-struct Place {
-    instance: String,
-    owner: String,
-    takes_handover: bool,
-    session: i64,
-    revision: i64,
-}
-
-impl Line {
-    fn stop(&self) {
-        if let Some(task) = self.task.lock().unwrap().take() {
-            task.abort();
-        }
-        self.places.lock().unwrap().clear();
-    }
-
-    /// Applies a key-value of the line (a range's or a watch event's).
-    fn put(&self, keys: &Keys, kv: &Value) {
-        let key = String::from_utf8_lossy(&unb64(&kv["key"])).into_owned();
-        let Some(instance) = key.strip_prefix(&keys.line) else {
-            return;
-        };
-        let value = String::from_utf8_lossy(&unb64(&kv["value"])).into_owned();
-        let (flag, owner) = value.split_once(' ').unwrap_or(("-", ""));
-        let place = Place {
-            instance: instance.to_owned(),
-            owner: owner.to_owned(),
-            takes_handover: flag == "h",
-            session: int(&kv["lease"]),
-            revision: int(&kv["mod_revision"]),
-        };
-        let mut places = self.places.lock().unwrap();
-        places.retain(|_, p| p.instance != place.instance);
-        places.insert(int(&kv["create_revision"]), place);
-    }
-
-    fn delete(&self, keys: &Keys, kv: &Value) {
-        let key = String::from_utf8_lossy(&unb64(&kv["key"])).into_owned();
-        if let Some(instance) = key.strip_prefix(&keys.line) {
-            self.places
-                .lock()
-                .unwrap()
-                .retain(|_, p| p.instance != instance);
-        }
-    }
-
-    /// The follower first in line (other than `me`).
-    fn first(&self, me: &str) -> Option<Place> {
-        self.places
-            .lock()
-            .unwrap()
-            .values()
-            .find(|p| p.instance != me)
-            .cloned()
-    }
-}
-
-impl Waiter {
-    /// Stops the watch (and so the wake-ups) of this replica.
-    fn stop(&self) {
-        if let Some(task) = self.task.lock().unwrap().take() {
-            task.abort();
-        }
-        self.watching.store(false, Ordering::SeqCst);
-    }
-}
-
 /// One replica's lease on one key.
 pub struct EtcdStore {
     client: Arc<Client>,
@@ -370,79 +291,6 @@ pub struct EtcdStore {
     withdrawn: AtomicBool,
     wake: Arc<Waiter>,
     line: Arc<Line>,
-}
-
-fn put(key: &str, value: &str, lease: Option<i64>) -> Value {
-    let mut put = json!({"key": b64(key.as_bytes()), "value": b64(value.as_bytes())});
-    if let Some(lease) = lease {
-        put["lease"] = json!(lease.to_string());
-    }
-    json!({ "request_put": put })
-}
-
-fn range(key: &str) -> Value {
-    json!({ "request_range": {"key": b64(key.as_bytes())} })
-}
-
-/// Every key that starts with `prefix`, oldest first.
-fn range_prefix(prefix: &str, limit: i64) -> Value {
-    json!({ "request_range": {
-        "key": b64(prefix.as_bytes()),
-        "range_end": b64(&prefix_end(prefix.as_bytes())),
-        "sort_order": "ASCEND",
-        "sort_target": "CREATE",
-        "limit": limit,
-    }})
-}
-
-/// A transaction's condition: `key` last changed at `revision` (0: absent).
-fn same_revision(key: &str, revision: i64) -> Value {
-    json!({"key": b64(key.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()})
-}
-
-/// A transaction's condition: `key` does not exist.
-fn absent(key: &str) -> Value {
-    json!({"key": b64(key.as_bytes()), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
-}
-
-/// The counter key's value and revision (0 and 0 when absent).
-fn counter_of(kv: Option<&Value>) -> Result<(u64, i64), StoreError> {
-    let Some(kv) = kv else {
-        return Ok((0, 0));
-    };
-    let counter = String::from_utf8_lossy(&unb64(&kv["value"]))
-        .parse()
-        .map_err(|_| Fatal::Corrupt("the counter key is not a number".into()))?;
-    Ok((counter, int(&kv["mod_revision"])))
-}
-
-fn delete(key: &str) -> Value {
-    json!({ "request_delete_range": {"key": b64(key.as_bytes())} })
-}
-
-/// The end of the range of keys that start with `prefix`.
-fn prefix_end(prefix: &[u8]) -> Vec<u8> {
-    let mut end = prefix.to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
-}
-
-/// Whether a call failed because the etcd lease it named is gone.
-fn lease_gone(error: &StoreError) -> bool {
-    matches!(error, StoreError::Unreachable(Unreachable::Server(why)) if why.contains("requested lease not found"))
-}
-
-/// The key-values of the `n`th response of a transaction.
-fn kvs(reply: &Value, n: usize) -> Vec<Value> {
-    reply["responses"][n]["response_range"]["kvs"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
 }
 
 impl EtcdStore {
@@ -1136,167 +984,6 @@ impl EtcdStore {
             from,
         )));
         Ok(())
-    }
-}
-
-/// Watches the lease's folder from revision `from`, and wakes this follower
-/// when a release names it, or when the lease went without a release and
-/// it is first in line. Re-opened after a break, from where it stopped.
-async fn watch(
-    client: Arc<Client>,
-    keys: Keys,
-    instance: String,
-    waiter: Arc<Waiter>,
-    seen: Arc<Mutex<Option<Seen>>>,
-    mut from: i64,
-) {
-    let create = |from: i64| {
-        json!({
-            "key": b64(keys.folder.as_bytes()),
-            "range_end": b64(&prefix_end(keys.folder.as_bytes())),
-            "start_revision": from.to_string(),
-        })
-    };
-    loop {
-        let mut stream = match client.watch(create(from)).await {
-            Ok(stream) => stream,
-            Err(_) => {
-                waiter.watching.store(false, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        loop {
-            let result = match stream.next().await {
-                Ok(result) => result,
-                Err(_) => break,
-            };
-            if result["created"].as_bool().unwrap_or(false) {
-                waiter.watching.store(true, Ordering::SeqCst);
-            }
-            if result["canceled"].as_bool().unwrap_or(false) {
-                // Compacted past `from`: start again from now, and look.
-                from = 0;
-                waiter.notify.notify_one();
-                break;
-            }
-            let events = result["events"].as_array().cloned().unwrap_or_default();
-            let mut named = false;
-            let mut lease_gone = false;
-            for event in &events {
-                let key = String::from_utf8_lossy(&unb64(&event["kv"]["key"])).into_owned();
-                let deleted = event["type"].as_str() == Some("DELETE");
-                from = from.max(int(&event["kv"]["mod_revision"]) + 1);
-                if key == keys.wake && !deleted {
-                    named |= unb64(&event["kv"]["value"]) == instance.as_bytes();
-                    lease_gone = false;
-                } else if key == keys.lease {
-                    // What an attempt starts from, kept current.
-                    let record = (!deleted)
-                        .then(|| LeaseRecord::parse(&event["kv"]).ok())
-                        .flatten();
-                    *waiter.handed.lock().unwrap() =
-                        record.clone().filter(|r| r.instance == instance);
-                    if let Some(seen) = seen.lock().unwrap().as_mut() {
-                        seen.lease = record;
-                    }
-                    lease_gone = deleted
-                        && !events
-                            .iter()
-                            .any(|e| unb64(&e["kv"]["key"]) == keys.wake.as_bytes());
-                } else if key == keys.counter && !deleted {
-                    if let (Some(seen), Ok((counter, revision))) = (
-                        seen.lock().unwrap().as_mut(),
-                        counter_of(Some(&event["kv"])),
-                    ) {
-                        seen.counter = counter;
-                        seen.counter_revision = revision;
-                    }
-                }
-            }
-            if named || (lease_gone && first_in_line(&client, &keys, &instance).await) {
-                waiter.notify.notify_one();
-            }
-        }
-        waiter.watching.store(false, Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A holder's watch of the line: keeps `line` current, from `initial` (the
-/// line's keys and the revision they were read at) or a read of its own.
-/// Re-opened after a break, from where it stopped.
-async fn watch_line(
-    client: Arc<Client>,
-    keys: Keys,
-    line: Arc<Line>,
-    initial: Option<(Vec<Value>, i64)>,
-) {
-    let read = || async {
-        let reply = client
-            .call("kv/range", &range_prefix(&keys.line, 0)["request_range"])
-            .await
-            .ok()?;
-        let kvs = reply["kvs"].as_array().cloned().unwrap_or_default();
-        Some((kvs, int(&reply["header"]["revision"])))
-    };
-    // A term that ends within this time releases to whom the acquisition
-    // saw in line (the release reads the line too): a cycle of a command
-    // that does nothing opens no watch.
-    if initial.is_some() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut initial = initial;
-    loop {
-        let Some((places, revision)) = (match initial.take() {
-            Some(initial) => Some(initial),
-            None => read().await,
-        }) else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        };
-        line.places.lock().unwrap().clear();
-        for kv in &places {
-            line.put(&keys, kv);
-        }
-        let create = json!({
-            "key": b64(keys.line.as_bytes()),
-            "range_end": b64(&prefix_end(keys.line.as_bytes())),
-            "start_revision": (revision + 1).to_string(),
-        });
-        let Ok(mut stream) = client.watch(create).await else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        };
-        while let Ok(result) = stream.next().await {
-            if result["canceled"].as_bool().unwrap_or(false) {
-                break;
-            }
-            for event in result["events"].as_array().into_iter().flatten() {
-                if event["type"].as_str() == Some("DELETE") {
-                    line.delete(&keys, &event["kv"]);
-                } else {
-                    line.put(&keys, &event["kv"]);
-                }
-            }
-        }
-        // Read the line again: events may have been missed.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Whether this follower has waited longest.
-async fn first_in_line(client: &Client, keys: &Keys, instance: &str) -> bool {
-    let reply = client
-        .call("kv/range", &range_prefix(&keys.line, 1)["request_range"])
-        .await;
-    match reply {
-        Ok(reply) => reply["kvs"][0]["key"]
-            .as_str()
-            .map(|k| unb64(&json!(k)) == format!("{}{instance}", keys.line).as_bytes())
-            // Nobody in line (a race): wake, the attempt tells.
-            .unwrap_or(true),
-        Err(_) => true,
     }
 }
 
