@@ -123,6 +123,98 @@ fn a_release_hands_the_lease_to_the_first_in_line_and_revokes_its_own() {
     }
 }
 
+/// A lease handed over is the follower's without a request, and its term
+/// counts from the follower's last keep-alive (before the hand-over), not
+/// from when it learned of it: the store says so (`acquired_since`), and
+/// the server keeps the key at least a ttl from then.
+#[test]
+fn a_lease_handed_over_lasts_a_ttl_from_the_followers_last_keep_alive() {
+    use leaderrun::backend::{Attempt, Identity, LeaseConfig};
+
+    let etcd = EtcdCluster::start(1);
+    let backend = leaderrun::backend::parse(Some(&etcd.url()), &BackendOptions::default()).unwrap();
+    // A follower takes a lease handed to it without a request if it kept
+    // its etcd lease alive within half a ttl: 3 s here, ample on a busy
+    // machine for what happens between its grant and the hand-over.
+    let ttl = Duration::from_secs(6);
+    let store = |owner: &str| {
+        backend
+            .lease(LeaseConfig {
+                key: "handed".into(),
+                me: Identity::new(owner),
+                ttl,
+                call_timeout: Duration::from_secs(2),
+                hand_over: true,
+            })
+            .unwrap()
+    };
+    let requests = || {
+        use std::io::{Read, Write};
+        let port = etcd.members[0].client_port;
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            stream,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).unwrap();
+        reply
+            .lines()
+            .filter(|l| l.starts_with("grpc_server_started_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let (a, b, c) = (store("a"), store("b"), store("c"));
+            a.check().await.unwrap();
+            b.check().await.unwrap();
+            let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
+                panic!("a did not acquire");
+            };
+            assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+            let waiting = {
+                let b = b.clone();
+                tokio::spawn(async move { b.notice().await })
+            };
+            let placed = Instant::now();
+            while !b.wakes_on_release() {
+                assert!(placed.elapsed() < LONG, "b never got its place in line");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // Time passes since b's last keep-alive (its grant, at check).
+            tokio::time::sleep(ttl / 8).await;
+            let released = Instant::now();
+            assert!(a.release_last(token).await.unwrap());
+            waiting.await.unwrap();
+            let before = requests();
+            let handed = b.acquire(2).await;
+            let asked = requests() - before;
+            let Ok(Attempt::Acquired { token: handed }) = handed else {
+                panic!("b was not handed the lease: {handed:?}");
+            };
+            assert_eq!(
+                (handed, asked),
+                (token + 1, 0.0),
+                "handed without a request"
+            );
+            let since = b
+                .acquired_since()
+                .expect("b says when its lease was kept alive");
+            assert!(since < released, "counted from before the hand-over");
+            tokio::time::sleep_until(tokio::time::Instant::from_std(since + ttl.mul_f64(0.75)))
+                .await;
+            match c.acquire(1).await {
+                Ok(Attempt::Held(holder)) => assert_eq!(holder.token, handed),
+                other => panic!("b's lease lapsed before a ttl from its keep-alive: {other:?}"),
+            }
+        });
+}
+
 #[test]
 fn users_and_passwords_are_etcds_and_never_leak() {
     let etcd = EtcdCluster::start(1);
