@@ -149,17 +149,8 @@ fn a_lease_handed_over_lasts_a_ttl_from_the_followers_last_keep_alive() {
             .unwrap()
     };
     let requests = || {
-        use std::io::{Read, Write};
-        let port = etcd.members[0].client_port;
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        write!(
-            stream,
-            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).unwrap();
-        reply
+        common::get(etcd.members[0].client_port, "/metrics")
+            .1
             .lines()
             .filter(|l| l.starts_with("grpc_server_started_total"))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

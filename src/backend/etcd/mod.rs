@@ -354,10 +354,9 @@ impl EtcdStore {
     /// than a third of a ttl ago (`acquired_since` tells the supervisor
     /// when), or granted anew if it had expired.
     async fn fresh_session(&self) -> Result<i64, StoreError> {
-        let since = *self.alive_since.lock().unwrap();
         let session = *self.session.lock().unwrap();
         match session {
-            Some(id) if since.is_some_and(|at| at.elapsed() < self.ttl() / 3) => Ok(id),
+            Some(id) if self.kept_alive_within(self.ttl() / 3) => Ok(id),
             _ => self.live_session().await,
         }
     }
@@ -444,13 +443,38 @@ impl EtcdStore {
         Ok((left >= 0).then(|| Duration::from_secs(left as u64)))
     }
 
+    /// The holder a record names. A follower whose watch runs hears of the
+    /// key's expiry from it: it need not ask for the time left.
     async fn holder(&self, record: &LeaseRecord) -> Result<Holder, StoreError> {
         self.saw(record.token);
+        let expires_in = if self.wake.watching.load(Ordering::SeqCst) {
+            None
+        } else {
+            self.time_left(record.lease_id).await?
+        };
         Ok(Holder {
             owner: record.owner.clone(),
             token: record.token,
-            expires_in: self.time_left(record.lease_id).await?,
+            expires_in,
         })
+    }
+
+    /// The instance of the follower first in `line` (keys of the line,
+    /// oldest first) other than this replica.
+    fn first_other_in(&self, line: &[Value]) -> Option<String> {
+        line.iter()
+            .map(|kv| String::from_utf8_lossy(&unb64(&kv["key"])).into_owned())
+            .find(|key| *key != self.keys.my_place)
+            .and_then(|key| key.strip_prefix(&self.keys.line).map(str::to_owned))
+    }
+
+    /// Whether this replica's etcd lease was granted or kept alive within
+    /// `within`.
+    fn kept_alive_within(&self, within: Duration) -> bool {
+        self.alive_since
+            .lock()
+            .unwrap()
+            .is_some_and(|at| at.elapsed() < within)
     }
 
     /// Reads the lease key and the counter (and refreshes this replica's
@@ -507,20 +531,15 @@ impl EtcdStore {
         let Some(session) = *self.session.lock().unwrap() else {
             return Ok(None);
         };
-        let fresh = self
-            .alive_since
-            .lock()
-            .unwrap()
-            .is_some_and(|at| at.elapsed() < self.ttl() / 2);
-        if !fresh && !self.keep_alive(session).await? {
-            return Ok(None);
-        }
         let handed = self.hand_over
             && record.instance == self.me.instance
             && record.attempt == 0
             && record.lease_id == session
             && record.mod_revision > self.last_term.load(Ordering::SeqCst);
         if !handed {
+            return Ok(None);
+        }
+        if !self.kept_alive_within(self.ttl() / 2) && !self.keep_alive(session).await? {
             return Ok(None);
         }
         let token = record.token;
@@ -573,16 +592,6 @@ impl EtcdStore {
                         let record =
                             put(&self.keys.my_candidate, &self.record(false), Some(session));
                         self.call("kv/put", record["request_put"].clone()).await?;
-                    }
-                    // A follower whose watch runs hears of the key's expiry
-                    // from it: it need not ask for the time left.
-                    if self.wake.watching.load(Ordering::SeqCst) {
-                        self.saw(record.token);
-                        return Ok(Attempt::Held(Holder {
-                            owner: record.owner.clone(),
-                            token: record.token,
-                            expires_in: None,
-                        }));
                     }
                     return Ok(Attempt::Held(self.holder(record).await?));
                 }
@@ -711,11 +720,12 @@ impl EtcdStore {
         if let Some(next) = &next {
             success.push(put(&self.keys.wake, &next.instance, None));
         }
+        let line_read = success.len();
         success.push(range_prefix(&self.keys.line, 2));
         let done = self
             .txn(
                 vec![same_revision(&self.keys.lease, revision)],
-                success.clone(),
+                success,
                 vec![],
             )
             .await?;
@@ -727,12 +737,7 @@ impl EtcdStore {
             seen.lease = None;
         }
         if next.is_none() {
-            let first = kvs(&done, success.len() - 1)
-                .iter()
-                .map(|kv| String::from_utf8_lossy(&unb64(&kv["key"])).into_owned())
-                .find(|key| *key != self.keys.my_place)
-                .and_then(|key| key.strip_prefix(&self.keys.line).map(str::to_owned));
-            if let Some(first) = first {
+            if let Some(first) = self.first_other_in(&kvs(&done, line_read)) {
                 let wake = put(&self.keys.wake, &first, None);
                 self.call("kv/put", wake["request_put"].clone()).await?;
             }
@@ -844,11 +849,7 @@ impl EtcdStore {
         if record.token != token || record.instance != self.me.instance {
             return Ok(false);
         }
-        let next = kvs(&read, 1)
-            .iter()
-            .map(|kv| String::from_utf8_lossy(&unb64(&kv["key"])).into_owned())
-            .find(|key| *key != self.keys.my_place)
-            .and_then(|key| key.strip_prefix(&self.keys.line).map(str::to_owned));
+        let next = self.first_other_in(&kvs(&read, 1));
         let mut success = vec![delete(&self.keys.lease)];
         if let Some(next) = &next {
             success.push(put(&self.keys.wake, next, None));
