@@ -20,6 +20,7 @@ mod watch;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -140,6 +141,7 @@ impl Backend for FileBackend {
             }),
             line: Arc::default(),
             pending_beat: Mutex::default(),
+            withdrawn: AtomicBool::new(false),
         };
         Ok(Bounded::wrap(Arc::new(store), call_timeout))
     }
@@ -152,6 +154,9 @@ pub struct FileStore {
     /// The candidate record written after an acquisition, off the way to
     /// the command; the next call waits for it, so records never go back.
     pending_beat: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The last release removed the candidate record: `withdraw` has
+    /// nothing left to do.
+    withdrawn: AtomicBool,
 }
 
 impl FileStore {
@@ -194,6 +199,7 @@ impl FileStore {
             shared: Arc::new(shared),
             line: Arc::default(),
             pending_beat: Mutex::default(),
+            withdrawn: AtomicBool::new(false),
         })
     }
 
@@ -222,18 +228,27 @@ impl LeaseStore for FileStore {
     fn acquire(&self, attempt: u64) -> Call<'_, Attempt> {
         Box::pin(async move {
             self.settle().await;
+            self.withdrawn.store(false, Ordering::SeqCst);
             // On this thread when the mutex is free (a handover's critical
             // path: no hop to the blocking pool), else on the pool.
-            let answer = match self.shared.acquire_now(attempt) {
+            let inline = self.shared.acquire_now(attempt);
+            let answered_inline = inline.is_some();
+            let answer = match inline {
                 Some(answer) => answer?,
                 None => self.blocking(move |shared| shared.acquire(attempt)).await?,
             };
-            // The candidate record is not on the way to the command: it is
-            // written on the blocking pool while the command starts.
             let leading = matches!(answer, Attempt::Acquired { .. });
-            let shared = self.shared.clone();
-            let beat = tokio::task::spawn_blocking(move || shared.beat(leading));
-            *self.pending_beat.lock().unwrap() = Some(beat);
+            if answered_inline {
+                // The candidate record on this thread too, for the reason
+                // the acquisition is (nothing of this replica's runs yet):
+                // one small write costs the start less than the blocking
+                // pool's thread does (0.07 ms a cycle, measured).
+                self.shared.beat(leading);
+            } else {
+                let shared = self.shared.clone();
+                let beat = tokio::task::spawn_blocking(move || shared.beat(leading));
+                *self.pending_beat.lock().unwrap() = Some(beat);
+            }
             Ok(answer)
         })
     }
@@ -262,6 +277,23 @@ impl LeaseStore for FileStore {
         })
     }
 
+    /// The release and the candidate record's removal, on this thread when
+    /// the mutex is free: the run is over, nothing of it can be delayed, and
+    /// a hop to the blocking pool for the removal cost every run that ends
+    /// with its command 0.2 ms (measured).
+    fn release_last(&self, token: u64) -> Call<'_, bool> {
+        Box::pin(async move {
+            self.settle().await;
+            let released = match self.shared.release_now(token) {
+                Some(released) => released?,
+                None => self.blocking(move |shared| shared.release(token)).await?,
+            };
+            self.shared.withdraw();
+            self.withdrawn.store(true, Ordering::SeqCst);
+            Ok(released)
+        })
+    }
+
     fn advance_fence(&self, floor: u64) -> Call<'_, u64> {
         Box::pin(self.blocking(move |shared| shared.advance_fence(floor)))
     }
@@ -274,6 +306,9 @@ impl LeaseStore for FileStore {
     }
 
     fn withdraw(&self) -> Call<'_, ()> {
+        if self.withdrawn.load(Ordering::SeqCst) {
+            return Box::pin(async { Ok(()) });
+        }
         Box::pin(self.blocking(|shared| {
             shared.withdraw();
             Ok(())
