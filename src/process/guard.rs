@@ -27,11 +27,15 @@
 
 use std::collections::HashSet;
 use std::io;
+use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use nix::sys::mman::{MapFlags, ProtFlags};
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 
@@ -39,60 +43,135 @@ use super::cgroup;
 use crate::backend::LeaseStore;
 
 pub struct Guard {
-    writer: OwnedFd,
+    /// leaderrun's end of the pipe: the guard's read returns end-of-file
+    /// when the kernel closes it, that is when leaderrun is gone.
+    _writer: OwnedFd,
+    board: Board,
 }
 
-/// What leaderrun tells the guard: 12-byte frames, a tag and two words.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Word {
-    /// A process group runs (a unit's program): kill it if leaderrun dies.
-    Watch(i32),
-    Unwatch(i32),
-    /// A keeper runs: wait for it to exit (it kills its unit) before the
-    /// release.
-    Keeper(i32),
-    KeeperGone(i32),
-    /// A term of lease `lease` began with this token.
-    Term {
-        lease: u32,
-        token: u64,
-    },
-    /// The term of lease `lease` is over (released, or lost).
-    TermOver(u32),
+/// What leaderrun tells the guard, in memory the two share: the running
+/// terms' tokens, the process groups and the keepers that run. The guard
+/// reads it only once leaderrun is gone, so telling it wakes nothing (words
+/// on the pipe woke the guard four times a cycle). Every entry is one atomic
+/// word, so the guard reads each whole whenever leaderrun died.
+struct Board {
+    words: NonNull<AtomicU64>,
+    /// How many leases: their terms' tokens plus one (0: no term) follow
+    /// the two tables' lengths.
+    leases: usize,
 }
 
-const FRAME: usize = 16;
+/// Slots for process groups, and as many for keepers: more units than run at
+/// once in any replica. Only the slots up to a table's length are ever
+/// touched (pages of the map are made as they are first written).
+const SLOTS: usize = 1 << 16;
 
-impl Word {
-    fn encode(self) -> [u8; FRAME] {
-        let (tag, a, b): (u32, u32, u64) = match self {
-            Word::Watch(pgid) => (1, pgid as u32, 0),
-            Word::Unwatch(pgid) => (2, pgid as u32, 0),
-            Word::Keeper(pid) => (3, pid as u32, 0),
-            Word::KeeperGone(pid) => (4, pid as u32, 0),
-            Word::Term { lease, token } => (5, lease, token),
-            Word::TermOver(lease) => (6, lease, 0),
+/// A table of pids on the board: its length (how many slots were ever
+/// used) and its slots (0: free).
+struct Table<'a> {
+    len: &'a AtomicU64,
+    slots: &'a [AtomicU64],
+}
+
+impl Board {
+    fn new(leases: usize) -> io::Result<Board> {
+        let bytes = Self::size(leases) * std::mem::size_of::<AtomicU64>();
+        // SAFETY: a new anonymous mapping, zeroed by the kernel, shared with
+        // the guard across the fork and never unmapped (it lives as long as
+        // the process); only atomics are ever read from it or written to it.
+        let words = unsafe {
+            nix::sys::mman::mmap_anonymous(
+                None,
+                NonZeroUsize::new(bytes).expect("the board is never empty"),
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED | MapFlags::MAP_NORESERVE,
+            )?
         };
-        let mut bytes = [0u8; FRAME];
-        bytes[0..4].copy_from_slice(&tag.to_ne_bytes());
-        bytes[4..8].copy_from_slice(&a.to_ne_bytes());
-        bytes[8..16].copy_from_slice(&b.to_ne_bytes());
-        bytes
+        Ok(Board {
+            words: words.cast(),
+            leases,
+        })
     }
 
-    fn decode(bytes: &[u8; FRAME]) -> Option<Word> {
-        let tag = u32::from_ne_bytes(bytes[0..4].try_into().unwrap());
-        let a = u32::from_ne_bytes(bytes[4..8].try_into().unwrap());
-        let b = u64::from_ne_bytes(bytes[8..16].try_into().unwrap());
-        Some(match tag {
-            1 => Word::Watch(a as i32),
-            2 => Word::Unwatch(a as i32),
-            3 => Word::Keeper(a as i32),
-            4 => Word::KeeperGone(a as i32),
-            5 => Word::Term { lease: a, token: b },
-            6 => Word::TermOver(a),
-            _ => return None,
-        })
+    fn size(leases: usize) -> usize {
+        2 + leases + 2 * SLOTS
+    }
+
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: the mapping holds this many words and is never unmapped.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr(), Self::size(self.leases)) }
+    }
+
+    fn terms(&self) -> &[AtomicU64] {
+        &self.words()[2..2 + self.leases]
+    }
+
+    fn groups(&self) -> Table<'_> {
+        let words = self.words();
+        let first = 2 + self.leases;
+        Table {
+            len: &words[0],
+            slots: &words[first..first + SLOTS],
+        }
+    }
+
+    fn keepers(&self) -> Table<'_> {
+        let words = self.words();
+        let first = 2 + self.leases + SLOTS;
+        Table {
+            len: &words[1],
+            slots: &words[first..],
+        }
+    }
+}
+
+impl Table<'_> {
+    fn used(&self) -> &[AtomicU64] {
+        let len = (self.len.load(Ordering::SeqCst) as usize).min(self.slots.len());
+        &self.slots[..len]
+    }
+
+    /// Puts `pid` in a free slot, or in a new one (a full table is warned
+    /// of: the pid goes unwatched, as with no guard).
+    fn add(&self, pid: i32) {
+        let reused = self.used().iter().any(|slot| {
+            slot.compare_exchange(0, pid as u64, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        });
+        if reused {
+            return;
+        }
+        // The slot is written before the length takes it in.
+        let next = self.len.load(Ordering::SeqCst) as usize;
+        match self.slots.get(next) {
+            Some(slot) => {
+                slot.store(pid as u64, Ordering::SeqCst);
+                self.len.store(next as u64 + 1, Ordering::SeqCst);
+            }
+            None => tracing::warn!(
+                pid,
+                "the guard's table is full; this process is not guarded"
+            ),
+        }
+    }
+
+    fn remove(&self, pid: i32) {
+        if let Some(slot) = self
+            .used()
+            .iter()
+            .find(|slot| slot.load(Ordering::SeqCst) == pid as u64)
+        {
+            slot.store(0, Ordering::SeqCst);
+        }
+    }
+
+    fn listed(&self) -> HashSet<i32> {
+        self.used()
+            .iter()
+            .map(|slot| slot.load(Ordering::SeqCst))
+            .filter(|&pid| pid != 0)
+            .map(|pid| pid as i32)
+            .collect()
     }
 }
 
@@ -118,6 +197,7 @@ impl Guard {
         stores: Vec<Arc<dyn LeaseStore>>,
         membership: Option<Arc<dyn LeaseStore>>,
     ) -> io::Result<Guard> {
+        let board = Board::new(stores.len())?;
         let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let devnull = std::fs::OpenOptions::new()
             .read(true)
@@ -136,49 +216,47 @@ impl Guard {
         // after leaderrun is gone, so there is never a guard to reap.
         match unsafe { libc::fork() } {
             -1 => Err(io::Error::last_os_error()),
-            0 => guard_main(reader.as_raw_fd(), devnull.as_raw_fd(), charge),
+            0 => guard_main(reader.as_raw_fd(), devnull.as_raw_fd(), charge, &board),
             _ => {
                 drop(reader);
                 drop(charge);
-                Ok(Guard { writer })
+                Ok(Guard {
+                    _writer: writer,
+                    board,
+                })
             }
         }
     }
 
     /// The process group `pgid` runs: kill it if leaderrun dies.
     pub fn watch(&self, pgid: Pid) {
-        self.tell(Word::Watch(pgid.as_raw()));
+        self.board.groups().add(pgid.as_raw());
     }
 
     /// The group `pgid` is gone: forget it.
     pub fn unwatch(&self, pgid: Pid) {
-        self.tell(Word::Unwatch(pgid.as_raw()));
+        self.board.groups().remove(pgid.as_raw());
     }
 
-    /// A keeper runs, or is gone.
+    /// A keeper runs (it kills its unit when leaderrun dies; the guard
+    /// waits for it before a release), or is gone.
     pub fn keeper(&self, pid: Pid, running: bool) {
-        self.tell(if running {
-            Word::Keeper(pid.as_raw())
+        if running {
+            self.board.keepers().add(pid.as_raw());
         } else {
-            Word::KeeperGone(pid.as_raw())
-        });
+            self.board.keepers().remove(pid.as_raw());
+        }
     }
 
     /// A term of lease `lease` began with `token`, or (None) is over.
     pub fn term(&self, lease: u32, token: Option<u64>) {
-        self.tell(match token {
-            Some(token) => Word::Term { lease, token },
-            None => Word::TermOver(lease),
-        });
-    }
-
-    fn tell(&self, word: Word) {
-        // A 16-byte write to a pipe is atomic and the guard drains it at once.
-        let _ = nix::unistd::write(&self.writer, &word.encode());
+        if let Some(term) = self.board.terms().get(lease as usize) {
+            term.store(token.map_or(0, |token| token + 1), Ordering::SeqCst);
+        }
     }
 }
 
-fn guard_main(reader: RawFd, devnull: RawFd, charge: Charge) -> ! {
+fn guard_main(reader: RawFd, devnull: RawFd, charge: Charge, board: &Board) -> ! {
     let keep: Vec<RawFd> = charge
         .stores
         .iter()
@@ -217,43 +295,17 @@ fn guard_main(reader: RawFd, devnull: RawFd, charge: Charge) -> ! {
         }
         libc::prctl(libc::PR_SET_NAME, c"leaderrun-guard".as_ptr());
     }
-    let mut groups: HashSet<i32> = HashSet::new();
-    let mut keepers: HashSet<i32> = HashSet::new();
-    let mut terms: Vec<Option<u64>> = vec![None; charge.stores.len()];
-    let mut buf = [0u8; FRAME];
+    // Nothing is ever written to the pipe: the read returns at its end.
+    let mut buf = [0u8; 16];
     loop {
         // SAFETY: reading into a buffer we own from our own descriptor.
-        let n = unsafe { libc::read(reader, buf.as_mut_ptr().cast(), FRAME) };
-        if n == FRAME as isize {
-            match Word::decode(&buf) {
-                Some(Word::Watch(pgid)) => {
-                    groups.insert(pgid);
-                }
-                Some(Word::Unwatch(pgid)) => {
-                    groups.remove(&pgid);
-                }
-                Some(Word::Keeper(pid)) => {
-                    keepers.insert(pid);
-                }
-                Some(Word::KeeperGone(pid)) => {
-                    keepers.remove(&pid);
-                }
-                Some(Word::Term { lease, token }) => {
-                    if let Some(term) = terms.get_mut(lease as usize) {
-                        *term = Some(token);
-                    }
-                }
-                Some(Word::TermOver(lease)) => {
-                    if let Some(term) = terms.get_mut(lease as usize) {
-                        *term = None;
-                    }
-                }
-                None => {}
-            }
-        } else if n == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+        let n = unsafe { libc::read(reader, buf.as_mut_ptr().cast(), buf.len()) };
+        if n == 0 || (n < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR)) {
             break;
         }
     }
+    let groups = board.groups().listed();
+    let keepers = board.keepers().listed();
     // leaderrun is gone: nothing of its terms may run on.
     for &pgid in &groups {
         let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
@@ -271,10 +323,13 @@ fn guard_main(reader: RawFd, devnull: RawFd, charge: Charge) -> ! {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let running: Vec<(usize, u64)> = terms
+    let running: Vec<(usize, u64)> = board
+        .terms()
         .iter()
+        .map(|term| term.load(Ordering::SeqCst))
         .enumerate()
-        .filter_map(|(lease, token)| token.map(|t| (lease, t)))
+        .filter(|&(_, term)| term != 0)
+        .map(|(lease, term)| (lease, term - 1))
         .collect();
     if cleared && (!running.is_empty() || charge.membership.is_some()) {
         release(&charge, &running);
@@ -337,19 +392,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn words_round_trip() {
-        for word in [
-            Word::Watch(42),
-            Word::Unwatch(42),
-            Word::Keeper(7),
-            Word::KeeperGone(7),
-            Word::Term {
-                lease: 3,
-                token: (1 << 53) - 1,
-            },
-            Word::TermOver(3),
-        ] {
-            assert_eq!(Word::decode(&word.encode()), Some(word));
-        }
+    fn the_board_lists_what_runs() {
+        let board = Board::new(2).unwrap();
+        board.groups().add(42);
+        board.groups().add(43);
+        board.keepers().add(7);
+        board.groups().remove(42);
+        assert_eq!(board.groups().listed(), [43].into());
+        // A freed slot is used again before the table grows.
+        board.groups().add(44);
+        assert_eq!(board.groups().used().len(), 2);
+        assert_eq!(board.groups().listed(), [43, 44].into());
+        assert_eq!(board.keepers().listed(), [7].into());
+        board.terms()[1].store((1 << 53) + 1, Ordering::SeqCst);
+        assert_eq!(board.terms()[0].load(Ordering::SeqCst), 0);
+        assert_eq!(board.terms()[1].load(Ordering::SeqCst) - 1, 1 << 53);
     }
 }
