@@ -10,7 +10,7 @@
 //! is enabled: the cgroups only count and kill.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write as _};
+use std::io::{self, Read as _, Write as _};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::os::unix::fs::OpenOptionsExt;
 
 use nix::sys::signal::{Signal, kill};
+use nix::sys::statfs::{CGROUP2_SUPER_MAGIC, statfs};
 use nix::unistd::Pid;
 
 use super::spawn::CgroupFds;
@@ -42,19 +43,25 @@ impl Cgroups {
     /// makes the first unit's cgroup there (which proves it can). Says why
     /// not, if it cannot.
     pub fn setup() -> Result<Cgroups, String> {
-        let mount = cgroup2_mount().ok_or("no cgroup2 hierarchy is mounted")?;
-        let own = fs::read_to_string("/proc/self/cgroup")
+        // One read: a growing buffer would read the file in seven (the
+        // kernel makes it anew for each).
+        let mut own = String::with_capacity(4096);
+        File::open("/proc/self/cgroup")
+            .and_then(|mut file| file.read_to_string(&mut own))
             .map_err(|e| format!("cannot read /proc/self/cgroup: {e}"))?;
         let path = own
             .lines()
             .find_map(|line| line.strip_prefix("0::"))
             .ok_or("this process is in no cgroup2 cgroup")?;
-        let relative = path
-            .strip_prefix(&mount.root)
-            .unwrap_or(path)
-            .trim_start_matches('/');
+        let parent = usual_place(path)
+            .or_else(|| {
+                let mount = cgroup2_mount()?;
+                let relative = path.strip_prefix(&mount.root).unwrap_or(path);
+                Some(mount.point.join(relative.trim_start_matches('/')))
+            })
+            .ok_or("no cgroup2 hierarchy is mounted")?;
         let cgroups = Cgroups {
-            parent: mount.point.join(relative),
+            parent,
             prefix: format!("leaderrun-{}-", std::process::id()),
             next_id: Arc::new(AtomicU64::new(1)),
             prepared: Arc::default(),
@@ -243,6 +250,21 @@ struct Mount {
     /// The root of the mount within the hierarchy ("/" unless a cgroup
     /// namespace or bind mount says otherwise).
     root: String,
+}
+
+/// Where systemd and container runtimes mount cgroup2 (hybrid hosts under
+/// `unified/`), with the hierarchy's root at the mount: this process's
+/// cgroup there, if one of them is a cgroup2 mount and holds the cgroup. Two
+/// `statfs` calls instead of reading the whole mount table on every start.
+/// (Where a mount's root is not the hierarchy's, the path is not there and
+/// the mount table says where it is; and were it there by chance, it would
+/// still be inside what this process can see of the hierarchy.)
+fn usual_place(own: &str) -> Option<PathBuf> {
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .into_iter()
+        .find(|point| statfs(*point).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_SUPER_MAGIC))
+        .map(|point| Path::new(point).join(own.trim_start_matches('/')))
+        .filter(|parent| parent.is_dir())
 }
 
 /// The cgroup2 mount, from /proc/self/mountinfo.
