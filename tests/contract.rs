@@ -408,6 +408,26 @@ fn observe_lists_the_holder_and_the_candidates_and_withdraw_removes_one(harness:
     });
 }
 
+/// The release at the end of a run, then the shutdown notice: whether a
+/// backend does both in one call or two, the replica is gone from the
+/// candidates and the next replica takes the lease at once with a greater
+/// token.
+fn the_last_release_and_the_withdrawal_leave_nothing_behind(harness: &mut dyn Harness) {
+    block_on(async {
+        let a = replica(harness, "last", "a");
+        let b = replica(harness, "last", "b");
+        let token = acquired(a.acquire(1).await);
+        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+        assert!(a.release_last(token).await.unwrap());
+        a.withdraw().await.unwrap();
+        let seen = b.observe().await.unwrap();
+        assert!(seen.holder.is_none());
+        let owners: Vec<&str> = seen.candidates.iter().map(|c| c.owner.as_str()).collect();
+        assert_eq!(owners, ["b"]);
+        assert!(acquired(b.acquire(2).await) > token);
+    });
+}
+
 /// Every contract test, for one backend.
 macro_rules! contract {
     ($backend:ident) => {
@@ -441,6 +461,12 @@ macro_rules! contract {
             #[test]
             fn the_fence_moves_up_and_tokens_stop_at_the_maximum() {
                 super::the_fence_moves_up_and_tokens_stop_at_the_maximum(&mut super::$backend());
+            }
+            #[test]
+            fn the_last_release_and_the_withdrawal_leave_nothing_behind() {
+                super::the_last_release_and_the_withdrawal_leave_nothing_behind(
+                    &mut super::$backend(),
+                );
             }
             #[test]
             fn observe_lists_the_holder_and_the_candidates_and_withdraw_removes_one() {

@@ -37,7 +37,7 @@ mod line;
 mod url;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -145,6 +145,7 @@ impl RedisBackend {
             highest_seen: AtomicU64::new(0),
             server: Mutex::new(ServerView::default()),
             last_holder: Mutex::new(None),
+            withdrawn: AtomicBool::new(false),
             scripts: Scripts::new(),
         }
     }
@@ -173,6 +174,9 @@ pub struct RedisStore {
     /// latest (measured from the reply, so never before the server's).
     last_holder: Mutex<Option<(u64, Instant)>>,
     scripts: Scripts,
+    /// The last release removed the candidate record: `withdraw` has
+    /// nothing left to do.
+    withdrawn: AtomicBool,
 }
 
 struct Keys {
@@ -477,12 +481,36 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// Gives the lease up; `last`: removes the candidate record too (the
+    /// run is over) instead of refreshing it.
+    async fn release_once(&self, token: u64, last: bool) -> Result<bool, StoreError> {
+        let k = &self.keys;
+        let released: i64 = self
+            .conn
+            .run(
+                &self.scripts.release,
+                &[&k.lease, &k.candidates, &k.line, &k.released],
+                &[
+                    self.me.instance.clone(),
+                    token.to_string(),
+                    self.ttl_ms(),
+                    self.record.clone(),
+                    if last { "1" } else { "0" }.to_owned(),
+                ],
+            )
+            .await?;
+        Ok(released == 1)
+    }
+}
+
 impl LeaseStore for RedisStore {
     fn check(&self) -> BoxFuture<'_, Result<Option<Unreachable>, Fatal>> {
         Box::pin(self.check_once())
     }
 
     fn acquire(&self, attempt: u64) -> Call<'_, Attempt> {
+        self.withdrawn.store(false, Ordering::SeqCst);
         Box::pin(self.acquire_once(attempt))
     }
 
@@ -491,22 +519,16 @@ impl LeaseStore for RedisStore {
     }
 
     fn release(&self, token: u64) -> Call<'_, bool> {
+        Box::pin(self.release_once(token, false))
+    }
+
+    /// The release and the candidate record's removal in one script: one
+    /// round trip fewer at the end of every run.
+    fn release_last(&self, token: u64) -> Call<'_, bool> {
         Box::pin(async move {
-            let k = &self.keys;
-            let released: i64 = self
-                .conn
-                .run(
-                    &self.scripts.release,
-                    &[&k.lease, &k.candidates, &k.line, &k.released],
-                    &[
-                        self.me.instance.clone(),
-                        token.to_string(),
-                        self.ttl_ms(),
-                        self.record.clone(),
-                    ],
-                )
-                .await?;
-            Ok(released == 1)
+            let released = self.release_once(token, true).await?;
+            self.withdrawn.store(true, Ordering::SeqCst);
+            Ok(released)
         })
     }
 
@@ -547,6 +569,9 @@ impl LeaseStore for RedisStore {
     }
 
     fn withdraw(&self) -> Call<'_, ()> {
+        if self.withdrawn.load(Ordering::SeqCst) {
+            return Box::pin(async { Ok(()) });
+        }
         Box::pin(async move {
             let _: i64 = self
                 .conn

@@ -1,7 +1,12 @@
 -- Gives up the caller's lease and wakes the follower first in line.
 -- KEYS: lease, candidates, line, released. ARGV: instance, token, ttl_ms,
--- candidate record. Returns 1 released, 0 not held.
-beat(KEYS[2], ARGV[1], ARGV[3], 0, ARGV[4])
+-- candidate record, last (1: the run is over, the candidate record goes
+-- too). Returns 1 released, 0 not held.
+if ARGV[5] == '1' then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+else
+  beat(KEYS[2], ARGV[1], ARGV[3], 0, ARGV[4])
+end
 local current = redis.call('GET', KEYS[1])
 if current then
   local token, instance = parse_lease(current)
