@@ -202,3 +202,55 @@ fn as_pid_1_it_reaps_orphans_without_losing_the_childs_status() {
         "leaderrun ran as PID 1"
     );
 }
+
+#[test]
+fn the_guard_keeps_none_of_the_callers_descriptors() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let sandbox = Sandbox::new();
+    // A pipe end without close-on-exec, as a CI runner passes one on:
+    // leaderrun inherits it, and a guard that kept it would hold the pipe
+    // open after leaderrun is gone.
+    let (read_end, write_end) = nix::unistd::pipe().unwrap();
+    let pipe = std::fs::metadata(format!("/proc/self/fd/{}", write_end.as_raw_fd()))
+        .unwrap()
+        .ino();
+    let mut leader = sandbox
+        .leaderrun("guard-fds")
+        .sh("echo started > started; exec sleep 30")
+        .spawn();
+    drop(write_end);
+    assert!(wait_until(LONG, || sandbox
+        .read("started")
+        .contains("started")));
+    let children =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", leader.pid())).unwrap();
+    let guard = children
+        .split_whitespace()
+        .find(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.trim() == "leaderrun-guard")
+        })
+        .expect("a guard runs");
+    let fds: Vec<_> = std::fs::read_dir(format!("/proc/{guard}/fd"))
+        .unwrap()
+        .map(|entry| entry.unwrap())
+        .collect();
+    assert!(fds.len() >= 4, "the guard's descriptors: {fds:?}");
+    for entry in &fds {
+        let target = std::fs::read_link(entry.path()).unwrap_or_default();
+        let fd: u32 = entry.file_name().to_string_lossy().parse().unwrap();
+        if fd <= 2 {
+            assert_eq!(target, std::path::Path::new("/dev/null"));
+        }
+        let inode = std::fs::metadata(entry.path()).map(|m| m.ino()).ok();
+        assert_ne!(
+            inode,
+            Some(pipe),
+            "the guard holds the caller's pipe as {fd}"
+        );
+    }
+    leader.signal(Signal::SIGTERM);
+    assert!(leader.wait(LONG).is_some());
+    drop(read_end);
+}

@@ -203,6 +203,17 @@ impl Guard {
             .read(true)
             .write(true)
             .open("/dev/null")?;
+        // What the guard keeps open (the pipe's read end, the lease stores'
+        // descriptors, by their numbers: the stores refer to them so),
+        // found here: the guard itself should write no memory before
+        // leaderrun is gone (see guard_main).
+        let mut keep: Vec<RawFd> = stores
+            .iter()
+            .chain(&membership)
+            .flat_map(|store| store.keep_fds())
+            .chain([reader.as_raw_fd()])
+            .collect();
+        keep.sort_unstable();
         let charge = Charge {
             cgroups: cgroups.map(|(parent, prefix)| (parent.to_path_buf(), prefix.to_owned())),
             stores,
@@ -216,7 +227,13 @@ impl Guard {
         // after leaderrun is gone, so there is never a guard to reap.
         match unsafe { libc::fork() } {
             -1 => Err(io::Error::last_os_error()),
-            0 => guard_main(reader.as_raw_fd(), devnull.as_raw_fd(), charge, &board),
+            0 => guard_main(
+                reader.as_raw_fd(),
+                devnull.as_raw_fd(),
+                &keep,
+                charge,
+                &board,
+            ),
             _ => {
                 drop(reader);
                 drop(charge);
@@ -256,29 +273,20 @@ impl Guard {
     }
 }
 
-fn guard_main(reader: RawFd, devnull: RawFd, charge: Charge, board: &Board) -> ! {
-    let keep: Vec<RawFd> = charge
-        .stores
-        .iter()
-        .chain(&charge.membership)
-        .flat_map(|store| store.keep_fds())
-        .collect();
+/// The guard, from the fork on. Until leaderrun is gone it writes as little
+/// memory as it can: every page it writes is a copy-on-write fault, on the
+/// core that leaderrun's command is starting on.
+fn guard_main(reader: RawFd, devnull: RawFd, keep: &[RawFd], charge: Charge, board: &Board) -> ! {
     // SAFETY: system calls on descriptors this process owns.
     unsafe {
         libc::setsid();
         for fd in 0..3 {
             libc::dup2(devnull, fd);
         }
-        // Keep the pipe's read end and the lease stores' descriptors, and
-        // nothing else: a guard holding the write end would never see
-        // end-of-file, and one holding an inherited socket would keep it
-        // open. The stores' descriptors keep their numbers (the stores refer
-        // to them by number).
-        for fd in open_descriptors() {
-            if fd > 2 && fd != reader && !keep.contains(&fd) {
-                libc::close(fd);
-            }
-        }
+        // Keep nothing else: a guard holding the pipe's write end would
+        // never see end-of-file, and one holding an inherited socket would
+        // keep it open.
+        close_all_but(keep);
         for signal in [
             libc::SIGHUP,
             libc::SIGINT,
@@ -374,6 +382,34 @@ fn alive(pid: i32) -> bool {
             .and_then(|(_, rest)| rest.split_whitespace().next());
         !matches!(state, Some("Z") | Some("X") | None)
     })
+}
+
+/// Closes every descriptor above 2 but those in `kept` (sorted): one
+/// `close_range` per gap between them, no listing of /proc/self/fd (which
+/// allocates) but where the kernel has no `close_range` (before 5.9).
+fn close_all_but(kept: &[RawFd]) {
+    let mut first: RawFd = 3;
+    for &fd in kept {
+        if fd > first {
+            close_range(first, fd - 1);
+        }
+        first = first.max(fd + 1);
+    }
+    close_range(first, RawFd::MAX);
+}
+
+/// Closes the descriptors `first..=last`.
+fn close_range(first: RawFd, last: RawFd) {
+    // SAFETY: closes descriptors of this process that nothing in it uses.
+    if unsafe { libc::close_range(first as libc::c_uint, last as libc::c_uint, 0) } == 0 {
+        return;
+    }
+    for fd in open_descriptors() {
+        if (first..=last).contains(&fd) {
+            // SAFETY: as above.
+            unsafe { libc::close(fd) };
+        }
+    }
 }
 
 /// This process's open descriptors.
