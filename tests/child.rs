@@ -254,3 +254,26 @@ fn the_guard_keeps_none_of_the_callers_descriptors() {
     assert!(leader.wait(LONG).is_some());
     drop(read_end);
 }
+
+#[test]
+fn the_command_may_run_on_every_cpu_leaderrun_may() {
+    // The child starts pinned to the spawning thread's CPU (so it need not
+    // wait for an idle one to wake) and gets the CPUs back before it execs.
+    let allowed = |status: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+            .map(|cpus| cpus.trim().to_owned())
+            .expect("Cpus_allowed_list")
+    };
+    let ours = allowed(&std::fs::read_to_string("/proc/self/status").unwrap());
+    let sandbox = Sandbox::new();
+    for run in 0..3 {
+        let out = sandbox
+            .leaderrun("cpus")
+            .command(["cat", "/proc/self/status"])
+            .run();
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(allowed(&out.stdout), ours, "run {run}");
+    }
+}
