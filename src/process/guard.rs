@@ -107,20 +107,20 @@ impl Board {
     }
 
     fn groups(&self) -> Table<'_> {
-        let words = self.words();
-        let first = 2 + self.leases;
-        Table {
-            len: &words[0],
-            slots: &words[first..first + SLOTS],
-        }
+        self.table(0)
     }
 
     fn keepers(&self) -> Table<'_> {
+        self.table(1)
+    }
+
+    /// Table `n`: its length is word `n`, its slots follow the terms.
+    fn table(&self, n: usize) -> Table<'_> {
         let words = self.words();
-        let first = 2 + self.leases + SLOTS;
+        let first = 2 + self.leases + n * SLOTS;
         Table {
-            len: &words[1],
-            slots: &words[first..],
+            len: &words[n],
+            slots: &words[first..first + SLOTS],
         }
     }
 }

@@ -241,11 +241,12 @@ impl LeaseStore for FileStore {
             self.withdrawn.store(false, Ordering::SeqCst);
             // On this thread when the mutex is free (a handover's critical
             // path: no hop to the blocking pool), else on the pool.
-            let inline = self.shared.acquire_now(attempt);
-            let answered_inline = inline.is_some();
-            let answer = match inline {
-                Some(answer) => answer?,
-                None => self.blocking(move |shared| shared.acquire(attempt)).await?,
+            let (answer, answered_inline) = match self.shared.acquire_now(attempt) {
+                Some(answer) => (answer?, true),
+                None => (
+                    self.blocking(move |shared| shared.acquire(attempt)).await?,
+                    false,
+                ),
             };
             let leading = matches!(answer, Attempt::Acquired { .. });
             if answered_inline {

@@ -479,9 +479,7 @@ impl RedisStore {
         }
         Ok(None)
     }
-}
 
-impl RedisStore {
     /// Gives the lease up; `last`: removes the candidate record too (the
     /// run is over) instead of refreshing it.
     async fn release_once(&self, token: u64, last: bool) -> Result<bool, StoreError> {
