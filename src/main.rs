@@ -10,32 +10,51 @@ use clap::{CommandFactory, FromArgMatches};
 
 use leaderrun::cli::{Cli, SubcommandArgs};
 use leaderrun::error::Exit;
-use leaderrun::process::{KEEPER_ENV, keeper_main};
+use leaderrun::process::{Aftermath, GUARD_ENV, KEEPER_ENV, keeper_main};
 use leaderrun::run::Failure;
 use leaderrun::spec::KeySource;
 use leaderrun::{man, run, status};
+
+/// The command line, and where the key came from.
+fn parse() -> Result<(Cli, KeySource), clap::Error> {
+    let matches = Cli::command().try_get_matches()?;
+    let cli = Cli::from_arg_matches(&matches)?;
+    let key_source = match matches.value_source("key") {
+        Some(ValueSource::EnvVariable) => KeySource::Environment,
+        _ => KeySource::Flag,
+    };
+    Ok((cli, key_source))
+}
+
+/// The guard's exec: leaderrun, run with the same command line, is gone.
+fn guard_main(setting: &std::ffi::OsStr) -> ! {
+    if let Some(aftermath) = Aftermath::begin(setting) {
+        if aftermath.releases() {
+            if let Ok((cli, key_source)) = parse() {
+                run::stand_in(cli.run, key_source, aftermath);
+            }
+        }
+    }
+    std::process::exit(0)
+}
 
 fn main() -> ExitCode {
     // This binary is also each term's keeper, where cgroups cannot be had.
     if let Some(setting) = std::env::var_os(KEEPER_ENV) {
         keeper_main(&setting.to_string_lossy());
     }
+    // And the guard, once leaderrun is gone (see process::guard).
+    if let Some(setting) = std::env::var_os(GUARD_ENV) {
+        guard_main(&setting);
+    }
     ensure_standard_fds();
     std::panic::set_hook(Box::new(|info| {
         eprintln!("leaderrun: internal error: {info}");
         std::process::exit(Exit::INTERNAL.into());
     }));
-    let matches = match Cli::command().try_get_matches() {
-        Ok(matches) => matches,
+    let (cli, key_source) = match parse() {
+        Ok(parsed) => parsed,
         Err(error) => return usage_error(error),
-    };
-    let cli = match Cli::from_arg_matches(&matches) {
-        Ok(cli) => cli,
-        Err(error) => return usage_error(error),
-    };
-    let key_source = match matches.value_source("key") {
-        Some(ValueSource::EnvVariable) => KeySource::Environment,
-        _ => KeySource::Flag,
     };
     let result = match cli.subcommand {
         Some(SubcommandArgs::Status(args)) => status::run(args),

@@ -66,44 +66,16 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
             .capabilities()
             .require_fence_advance(spec.backend.as_ref())?;
     }
-    let leases = match spec.shards {
-        None => {
-            let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
-            let store = Counted::wrap(
-                spec.backend.lease(LeaseConfig {
-                    key: spec.key.clone(),
-                    me: Identity::new(&spec.owner),
-                    ttl: spec.timing.ttl,
-                    call_timeout: spec.timing.call_timeout(),
-                    hand_over: spec.fence_floor_cmd.is_none(),
-                })?,
-                metrics.backend_calls(),
-            );
-            Leases::One(store, metrics)
-        }
-        Some(n) => {
-            if n > 256 {
-                process::raise_descriptor_limit();
-            }
-            Leases::Shards(shard::Leases::open(
-                spec.backend.as_ref(),
-                &spec.key,
-                &spec.owner,
-                n,
-                &spec.timing,
-            )?)
-        }
-    };
+    let leases = open(&spec)?;
     // The keeper is this very binary, run again: /proc/self/exe names it
     // even if the file was replaced since.
     let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
-    // The guard must be forked while the process still has one thread. As
-    // PID 1 it is not needed: the kernel kills the whole namespace with us.
-    let (stores, membership) = leases.guarded();
+    // As PID 1 the guard is not needed: the kernel kills the whole
+    // namespace with us.
     let guard: Option<Guard> = if std::process::id() == 1 {
         None
     } else {
-        Guard::start(containment.cgroups(), stores, membership)
+        Guard::start(containment.cgroups(), &leases.guarded(), leases.identity())
             .inspect_err(|e| warn!(error = %e, "cannot start the guard process; a term's processes may outlive a killed leaderrun"))
             .ok()
     };
@@ -147,7 +119,7 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
                 .collect(),
         };
         match leases {
-            Leases::One(store, metrics) => {
+            Leases::One(store, metrics, _) => {
                 let supervisor =
                     Supervisor::new(lease, store, host.clone(), receiver, Health::new(metrics));
                 tokio::select! {
@@ -176,34 +148,86 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     exit
 }
 
+/// The leases `spec` runs for, as one replica.
+fn open(spec: &Spec) -> Result<Leases, Failure> {
+    Ok(match spec.shards {
+        None => {
+            let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
+            let me = Identity::new(&spec.owner);
+            let store = Counted::wrap(
+                spec.backend.lease(LeaseConfig {
+                    key: spec.key.clone(),
+                    me: me.clone(),
+                    ttl: spec.timing.ttl,
+                    call_timeout: spec.timing.call_timeout(),
+                    hand_over: spec.fence_floor_cmd.is_none(),
+                })?,
+                metrics.backend_calls(),
+            );
+            Leases::One(store, metrics, me)
+        }
+        Some(n) => {
+            if n > 256 {
+                process::raise_descriptor_limit();
+            }
+            Leases::Shards(shard::Leases::open(
+                spec.backend.as_ref(),
+                &spec.key,
+                &spec.owner,
+                n,
+                &spec.timing,
+            )?)
+        }
+    })
+}
+
+/// The guard, once leaderrun is gone (see `process::guard`): makes the
+/// stores of leaderrun's command line, as leaderrun's replica, and releases
+/// what ran.
+pub fn stand_in(args: RunArgs, key_source: KeySource, aftermath: process::Aftermath) {
+    let Ok(spec) = Spec::from_args(args, key_source) else {
+        return;
+    };
+    let (instance, pid, since_ms) = aftermath.replica();
+    crate::backend::stand_in_for(instance, pid, since_ms);
+    if let Ok(leases) = open(&spec) {
+        aftermath.release(leases.guarded());
+    }
+}
+
 type Store = Arc<dyn LeaseStore>;
 
 /// What a run leads: one lease, or the shards of one key.
 enum Leases {
-    One(Store, Arc<Metrics>),
+    One(Store, Arc<Metrics>, Identity),
     Shards(shard::Leases),
 }
 
 impl Leases {
-    /// The stores the guard keeps, by lease number, and the membership
-    /// record it withdraws first (shard mode).
-    fn guarded(&self) -> (Vec<Store>, Option<Store>) {
+    /// The stores the guard releases through, by lease number.
+    fn guarded(&self) -> Vec<Store> {
         match self {
-            Leases::One(store, _) => (vec![store.clone()], None),
-            // Lease 0 is the key's own, which never has a term.
-            Leases::Shards(shards) => (
-                std::iter::once(shards.membership.clone())
-                    .chain(shards.shards.iter().cloned())
-                    .collect(),
-                Some(shards.membership.clone()),
-            ),
+            Leases::One(store, ..) => vec![store.clone()],
+            // Lease 0 is the key's own, which never has a term: its
+            // membership record, withdrawn first.
+            Leases::Shards(shards) => std::iter::once(shards.membership.clone())
+                .chain(shards.shards.iter().cloned())
+                .collect(),
+        }
+    }
+
+    /// The replica these leases are run by.
+    fn identity(&self) -> &Identity {
+        match self {
+            Leases::One(.., me) => me,
+            Leases::Shards(shards) => &shards.me,
         }
     }
 
     /// The figures `--metrics-addr` serves.
     fn served_metrics(&self) -> Arc<Metrics> {
         match self {
-            Leases::One(_, metrics) => metrics.clone(),
+            Leases::One(_, metrics, _) => metrics.clone(),
             Leases::Shards(shards) => shards.replica_metrics.clone(),
         }
     }

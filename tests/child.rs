@@ -256,6 +256,66 @@ fn the_guard_keeps_none_of_the_callers_descriptors() {
 }
 
 #[test]
+fn the_guard_shares_no_memory_with_leaderrun() {
+    // The OOM killer kills every process that shares its victim's memory:
+    // a guard that shared leaderrun's would die with it, and leave the
+    // term's processes running. The keeper of leaderrun's memory shares it
+    // (so leaderrun's exit need not tear it down) and holds nothing else.
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("guard-memory")
+        .sh("echo started > started; exec sleep 30")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox
+        .read("started")
+        .contains("started")));
+    let children =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", leader.pid())).unwrap();
+    let named = |name: &str| -> i32 {
+        children
+            .split_whitespace()
+            .find(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|comm| comm.trim() == name)
+            })
+            .unwrap_or_else(|| panic!("no {name} among {children}"))
+            .parse()
+            .unwrap()
+    };
+    let (guard, keeper) = (named("leaderrun-guard"), named("leaderrun-exit"));
+    // kcmp(2) with KCMP_VM: 0 when two processes share their memory.
+    const KCMP_VM: libc::c_int = 1;
+    let shares = |pid: i32| {
+        // SAFETY: a query about two processes of this user.
+        let same =
+            unsafe { libc::syscall(libc::SYS_kcmp, leader.pid().as_raw(), pid, KCMP_VM, 0, 0) };
+        assert!(same >= 0, "kcmp: {}", std::io::Error::last_os_error());
+        same == 0
+    };
+    assert!(!shares(guard), "the guard shares leaderrun's memory");
+    assert!(
+        shares(keeper),
+        "the keeper of leaderrun's memory does not share it"
+    );
+    let fds = std::fs::read_dir(format!("/proc/{keeper}/fd"))
+        .unwrap()
+        .count();
+    assert_eq!(
+        fds, 1,
+        "the keeper of leaderrun's memory holds only its pipe"
+    );
+    leader.signal(Signal::SIGKILL);
+    assert!(leader.wait(LONG).is_some());
+    // Both go once leaderrun is gone.
+    let gone = |pid: i32| {
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|stat| stat.contains(") Z"))
+    };
+    assert!(wait_until(LONG, || gone(guard) && gone(keeper)));
+}
+
+#[test]
 fn the_command_may_run_on_every_cpu_leaderrun_may() {
     // The child starts pinned to the spawning thread's CPU (so it need not
     // wait for an idle one to wake) and gets the CPUs back before it execs.

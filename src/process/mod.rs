@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use nix::sys::wait::WaitStatus;
 use nix::unistd::{AccessFlags, access};
 
-pub use guard::Guard;
+pub use guard::{Aftermath, GUARD_ENV, Guard};
 pub use host::{Host, LeaseHost, ProcessUnit, Processes, Scope, Spawn, Unit, UnitEvent};
 pub use keeper::{KEEPER_ENV, main as keeper_main};
 pub use terminal::reclaim as reclaim_terminal;

@@ -38,8 +38,8 @@ pub fn shard_key(key: &str, shard: u32) -> String {
 }
 
 /// The leases of a replica in shard mode: the key's own (its membership
-/// record) and each shard's, made before the guard is forked (it keeps a
-/// copy of each, to release a running term's lease if leaderrun dies).
+/// record) and each shard's (the guard, if leaderrun dies, makes them again
+/// from the same command line to release a running term's lease).
 pub struct Leases {
     pub membership: Arc<dyn LeaseStore>,
     pub shards: Vec<Arc<dyn LeaseStore>>,

@@ -1046,8 +1046,8 @@ impl LeaseStore for EtcdStore {
                     self.call("lease/revoke", json!({"ID": id.to_string()}))
                         .await?;
                 }
-                // A copy of the store made before its session began (the
-                // guard's, forked at startup): its records by name.
+                // A store whose session never began (the guard's, made
+                // again after leaderrun is gone): its records by name.
                 None => {
                     for key in [&self.keys.my_candidate, &self.keys.my_place] {
                         self.call("kv/deleterange", json!({"key": b64(key.as_bytes())}))

@@ -1,5 +1,5 @@
 //! One replica's connection to PostgreSQL: made on the first call (never
-//! at construction: the guard's fork of a store must make its own), made
+//! at construction: a store that never leads, as the guard's, makes none), made
 //! again after it drops or a call on it times out, and bounded in every
 //! step. A task drives it and passes on the notifications it receives: the
 //! connection is also this replica's place in the followers' line.
