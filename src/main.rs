@@ -28,11 +28,16 @@ fn parse() -> Result<(Cli, KeySource), clap::Error> {
 
 /// The guard's exec: leaderrun, run with the same command line, is gone.
 fn guard_main(setting: &std::ffi::OsStr) -> ! {
-    if let Some(aftermath) = Aftermath::begin(setting) {
-        if aftermath.releases() {
-            if let Ok((cli, key_source)) = parse() {
-                run::stand_in(cli.run, key_source, aftermath);
-            }
+    let Some(aftermath) = Aftermath::begin(setting) else {
+        // Not a guard's setting: the variable came from elsewhere.
+        eprintln!(
+            "leaderrun: error: {GUARD_ENV} is set in the environment but is leaderrun's own, for its guard process; unset it"
+        );
+        std::process::exit(Exit::USAGE.into());
+    };
+    if aftermath.releases() {
+        if let Ok((cli, key_source)) = parse() {
+            run::stand_in(cli.run, key_source, aftermath);
         }
     }
     std::process::exit(0)

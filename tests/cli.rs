@@ -99,6 +99,23 @@ fn missing_and_non_executable_commands_take_no_lease() {
     );
 }
 
+#[test]
+fn the_guards_variable_from_elsewhere_is_refused() {
+    // LEADERRUN_GUARD tells leaderrun's binary it is a guard; one set by
+    // someone else must not make leaderrun exit 0 having done nothing.
+    let sandbox = Sandbox::new();
+    let out = sandbox
+        .leaderrun("guard-env")
+        .env("LEADERRUN_GUARD", "1")
+        .sh("touch ran")
+        .run();
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("LEADERRUN_GUARD"), "{}", out.stderr);
+    assert!(out.stderr.contains("unset it"), "{}", out.stderr);
+    assert!(!sandbox.path("ran").exists(), "the command ran");
+    assert!(!sandbox.state_dir().exists(), "state was created");
+}
+
 /// Runs leaderrun with `args` and a command that must never run; asserts
 /// exit 2, that stderr contains each of `expected`, and that nothing was
 /// created or started.
