@@ -66,7 +66,7 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
             .capabilities()
             .require_fence_advance(spec.backend.as_ref())?;
     }
-    let leases = open(&spec)?;
+    let leases = open(&spec, Identity::new(&spec.owner))?;
     // The keeper is this very binary, run again: /proc/self/exe names it
     // even if the file was replaced since.
     let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
@@ -148,12 +148,11 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     exit
 }
 
-/// The leases `spec` runs for, as one replica.
-fn open(spec: &Spec) -> Result<Leases, Failure> {
+/// The leases `spec` runs for, as replica `me`.
+fn open(spec: &Spec, me: Identity) -> Result<Leases, Failure> {
     Ok(match spec.shards {
         None => {
             let metrics = Metrics::new(&spec.key, &spec.owner, spec.timing.longest_sleep());
-            let me = Identity::new(&spec.owner);
             let store = Counted::wrap(
                 spec.backend.lease(LeaseConfig {
                     key: spec.key.clone(),
@@ -173,7 +172,7 @@ fn open(spec: &Spec) -> Result<Leases, Failure> {
             Leases::Shards(shard::Leases::open(
                 spec.backend.as_ref(),
                 &spec.key,
-                &spec.owner,
+                me,
                 n,
                 &spec.timing,
             )?)
@@ -188,9 +187,8 @@ pub fn stand_in(args: RunArgs, key_source: KeySource, aftermath: process::Afterm
     let Ok(spec) = Spec::from_args(args, key_source) else {
         return;
     };
-    let (instance, pid, since_ms) = aftermath.replica();
-    crate::backend::stand_in_for(instance, pid, since_ms);
-    if let Ok(leases) = open(&spec) {
+    let me = aftermath.replica(&spec.owner);
+    if let Ok(leases) = open(&spec, me) {
         aftermath.release(leases.guarded());
     }
 }

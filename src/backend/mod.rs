@@ -252,16 +252,6 @@ pub struct Identity {
     pub shards: Option<u32>,
 }
 
-/// The replica a guard stands in for (see `process::guard`): its instance,
-/// pid and start, which every identity this process makes takes on.
-static STANDING_IN: std::sync::OnceLock<(String, u32, u64)> = std::sync::OnceLock::new();
-
-/// Makes every identity of this process that of replica `instance`, which
-/// ran as `pid` from `since_ms`: the guard's, once that replica is gone.
-pub fn stand_in_for(instance: &str, pid: u32, since_ms: u64) {
-    let _ = STANDING_IN.set((instance.to_owned(), pid, since_ms));
-}
-
 impl Identity {
     pub fn new(owner: &str) -> Identity {
         let host = nix::unistd::gethostname()
@@ -269,16 +259,12 @@ impl Identity {
             .and_then(|h| h.into_string().ok())
             .filter(|h| !h.is_empty() && !h.contains(char::is_whitespace))
             .unwrap_or_else(|| "-".into());
-        let (instance, pid, since_ms) = match STANDING_IN.get() {
-            Some((instance, pid, since_ms)) => (instance.clone(), *pid, *since_ms),
-            None => (random_instance(), std::process::id(), unix_ms()),
-        };
         Identity {
             owner: owner.to_owned(),
-            instance,
+            instance: random_instance(),
             host,
-            pid,
-            since_ms,
+            pid: std::process::id(),
+            since_ms: unix_ms(),
             shards: None,
         }
     }

@@ -531,14 +531,22 @@ extern "C" fn memory_keeper_main(arg: *mut libc::c_void) -> libc::c_int {
         libc::sigemptyset(&mut none);
         libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
         libc::prctl(libc::PR_SET_NAME, c"leaderrun-exit".as_ptr());
-        let mut buf = [0u8; 16];
-        loop {
-            let n = libc::read(reader, buf.as_mut_ptr().cast(), buf.len());
-            if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
-                break;
-            }
-        }
+        until_end_of_file(reader);
         libc::_exit(0)
+    }
+}
+
+/// Returns once `pipe`'s read end sees end-of-file (or fails): nothing is
+/// ever written to the pipe, whose only writer is leaderrun. Allocates
+/// nothing, so the keeper of leaderrun's memory may call it.
+fn until_end_of_file(pipe: RawFd) {
+    let mut buf = [0u8; 16];
+    loop {
+        // SAFETY: reading into a buffer on our stack from our own descriptor.
+        let n = unsafe { libc::read(pipe, buf.as_mut_ptr().cast(), buf.len()) };
+        if n == 0 || (n < 0 && nix::errno::Errno::last() != nix::errno::Errno::EINTR) {
+            return;
+        }
     }
 }
 
@@ -579,16 +587,7 @@ impl Aftermath {
         let fd = unsafe { OwnedFd::from_raw_fd(setting.board) };
         let board = Board::map(fd, setting.leases).ok()?;
         let words = board.words;
-        // Nothing is ever written to the pipe: the read returns at its end.
-        let mut buf = [0u8; 16];
-        loop {
-            // SAFETY: reading into a buffer we own from our own descriptor.
-            let n = unsafe { libc::read(setting.reader, buf.as_mut_ptr().cast(), buf.len()) };
-            if n == 0 || (n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted)
-            {
-                break;
-            }
-        }
+        until_end_of_file(setting.reader);
         // leaderrun is gone: nothing of its terms may run on.
         for pgid in words.groups().listed() {
             let _ =
@@ -629,14 +628,15 @@ impl Aftermath {
         self.cleared && (!self.running.is_empty() || self.setting.leases > 1)
     }
 
-    /// The replica the guard stands in for: the stores it makes must be
-    /// that replica's.
-    pub fn replica(&self) -> (&str, u32, u64) {
-        (
-            &self.setting.instance,
-            self.setting.pid,
-            self.setting.since_ms,
-        )
+    /// The replica the guard stands in for, by the name `owner`: the
+    /// stores it makes must be that replica's.
+    pub fn replica(&self, owner: &str) -> Identity {
+        Identity {
+            instance: self.setting.instance.clone(),
+            pid: self.setting.pid,
+            since_ms: self.setting.since_ms,
+            ..Identity::new(owner)
+        }
     }
 
     /// Releases the lease of each running term, through `stores` (made from

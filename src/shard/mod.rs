@@ -52,15 +52,15 @@ impl Leases {
     pub fn open(
         backend: &dyn crate::backend::Backend,
         key: &str,
-        owner: &str,
+        me: Identity,
         n: u32,
         timing: &Timing,
     ) -> Result<Leases, ConfigError> {
         let (replica_metrics, shard_metrics) =
-            Metrics::sharded(key, owner, timing.longest_sleep(), n);
+            Metrics::sharded(key, &me.owner, timing.longest_sleep(), n);
         let me = Identity {
             shards: Some(n),
-            ..Identity::new(owner)
+            ..me
         };
         let config = |key: String| LeaseConfig {
             key,
