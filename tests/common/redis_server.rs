@@ -23,13 +23,21 @@ pub struct RedisServer {
     ca: Option<PathBuf>,
 }
 
-/// A port nobody listens on right now.
+/// A port nobody listens on right now, nor on the port 10000 above it,
+/// where a cluster node listens for its bus (a bus port taken by another
+/// process made a node fail to start).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let bus = port.checked_add(10000);
+        if bus.is_some_and(|bus| TcpListener::bind(("127.0.0.1", bus)).is_ok()) {
+            return port;
+        }
+    }
 }
 
 impl RedisServer {
