@@ -129,6 +129,15 @@ impl Fleet {
     }
 }
 
+/// A test that fails before `stop` removes its directory: the restarting
+/// thread must not start replicas into it (it panicked, in another test's
+/// output).
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Fault {
     KillLeader,
