@@ -18,7 +18,7 @@
 //! `LEADERRUN_BENCH_HA=0` the Sentinel and Cluster runs;
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
 //! handovers, for profiling (`LEADERRUN_BENCH_ONLY=etcd,flock`: only those
-//! tools). The children are `benches/stamp.c`, compiled here: a static C
+//! tools), and etcd's own floor for a handover when `etcdctl lock` is in. The children are `benches/stamp.c`, compiled here: a static C
 //! program that writes CLOCK_MONOTONIC (shared by every process on the host)
 //! as its first and last actions, so no shell start-up is counted.
 
@@ -119,6 +119,17 @@ fn main() {
                 percentile(handover, 99.0)
             );
         }
+        if let Some(port) = bench
+            .etcd_port
+            .filter(|_| tools.iter().any(|t| matches!(t.kind, Kind::Etcdctl(_))))
+        {
+            let floor = etcd_write_seen(port, samples);
+            println!(
+                "etcd write seen by a watcher p50 {:.2} p99 {:.2}",
+                percentile(&floor, 50.0),
+                percentile(&floor, 99.0)
+            );
+        }
         return;
     }
     if rows {
@@ -213,6 +224,24 @@ impl Bench {
                 tool.name,
                 p50(short),
                 p50(long)
+            );
+        }
+        if let (Some(port), Some(etcdctl)) = (
+            self.etcd_port,
+            tools
+                .iter()
+                .position(|t| matches!(t.kind, Kind::Etcdctl(_))),
+        ) {
+            eprintln!("measuring etcd's own floor");
+            let floor = etcd_write_seen(port, samples);
+            let _ = writeln!(
+                out,
+                "\netcd's own floor for a handover: a write seen by a watcher, by a minimal client (one put on a kept connection after 20 ms of quiet, as in a handover; the time from sending it to a watch's event arriving), with no process told of an exit and none started: p50 {:.2}, p99 {:.2} ms. `etcdctl lock`'s handover p50 is {:.2} ms, so half of it ({:.2} ms) leaves {:.2} ms for the holder to learn that its child ended and the next child to start (a bare `posix_spawn` of the stamp program takes about 0.4 ms here).",
+                percentile(&floor, 50.0),
+                percentile(&floor, 99.0),
+                p50(&handovers[etcdctl]),
+                p50(&handovers[etcdctl]) / 2.0,
+                p50(&handovers[etcdctl]) / 2.0 - percentile(&floor, 50.0),
             );
         }
         let _ = writeln!(
@@ -1400,6 +1429,86 @@ fn compile_stamp(dir: &Path) -> PathBuf {
         }
     }
     panic!("the benchmark needs a C compiler (cc) for benches/stamp.c");
+}
+
+/// etcd's own part of a handover: `samples` puts, each after 20 ms of quiet,
+/// sent on a kept connection by a minimal client, and the time (ms) from
+/// each send to its event arriving on a watch (etcd's JSON gateway, over
+/// bare HTTP/1.1).
+fn etcd_write_seen(port: u16, samples: usize) -> Vec<f64> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::TcpStream;
+    use std::sync::{Arc, Mutex};
+    let post = |path: &str, body: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let key = "Zmxvb3I="; // "floor"
+    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let mut watch = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    watch
+        .write_all(
+            post(
+                "/v3/watch",
+                &format!(r#"{{"create_request":{{"key":"{key}"}}}}"#),
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    let seen = arrivals.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(watch).lines() {
+            let Ok(line) = line else { return };
+            if line.contains("\"events\"") {
+                seen.lock().unwrap().push(monotonic_ns());
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let mut kv = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    kv.set_nodelay(true).unwrap();
+    let mut floor = Vec::new();
+    for i in 0..samples {
+        std::thread::sleep(SETTLE);
+        let request = post(
+            "/v3/kv/put",
+            &format!(
+                r#"{{"key":"{key}","value":"{}"}}"#,
+                if i % 2 == 0 { "MA==" } else { "MQ==" }
+            ),
+        );
+        let sent = monotonic_ns();
+        kv.write_all(request.as_bytes()).unwrap();
+        // The reply: headers, then a body of the length they give.
+        let mut reply = Vec::new();
+        let mut byte = [0u8; 1];
+        while !reply.ends_with(b"\r\n\r\n") {
+            kv.read_exact(&mut byte).unwrap();
+            reply.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&reply).to_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("a put's reply has a length");
+        kv.read_exact(&mut vec![0; length]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(&arrived) = arrivals.lock().unwrap().get(i) {
+                floor.push((arrived - sent) as f64 / 1e6);
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the watch saw no event for put {i}"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    floor
 }
 
 fn monotonic_ns() -> u128 {

@@ -46,6 +46,7 @@ mod url;
 mod watch;
 
 use std::fmt;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -56,7 +57,8 @@ use serde_json::{Value, json};
 
 use self::client::{Client, EtcdError, b64, int, unb64};
 use self::ops::{
-    absent, counter_of, delete, kvs, lease_gone, put, range, range_prefix, same_revision,
+    absent, counter_of, delete, kvs, lease_gone, put, range, range_local, range_prefix,
+    same_revision,
 };
 use self::url::EtcdUrl;
 use self::watch::{Line, Place, Waiter, watch, watch_line};
@@ -161,6 +163,7 @@ impl EtcdBackend {
             shown: self.url.to_string(),
             session: Mutex::new(None),
             alive_since: Mutex::new(None),
+            granting: tokio::sync::Mutex::new(None),
             last_record: Mutex::new(None),
             highest_seen: AtomicU64::new(0),
             seen: Arc::new(Mutex::new(None)),
@@ -257,6 +260,9 @@ impl Seen {
     }
 }
 
+/// A grant sent with the etcd lease id chosen for it, its reply to come.
+type Granting = (i64, tokio::task::JoinHandle<Result<Value, EtcdError>>);
+
 /// One replica's lease on one key.
 pub struct EtcdStore {
     client: Arc<Client>,
@@ -270,6 +276,10 @@ pub struct EtcdStore {
     /// When `session` was last granted or kept alive (the request's send):
     /// the server keeps it at least a ttl from then.
     alive_since: Mutex<Option<Instant>>,
+    /// The grant `check` sent of `session` (an id chosen here), while its
+    /// reply has not been read: only the first acquisition's transaction
+    /// goes out before it is (see `settled`).
+    granting: tokio::sync::Mutex<Option<Granting>>,
     /// When this replica's record was last written.
     last_record: Mutex<Option<Instant>>,
     /// The highest token this replica has seen, its own or a holder's.
@@ -310,7 +320,15 @@ impl EtcdStore {
         }
     }
 
+    /// A call, once a grant `check` sent has been answered (the call may
+    /// use the etcd lease).
     async fn call(&self, path: &str, body: Value) -> Result<Value, StoreError> {
+        self.settled().await?;
+        self.call_now(path, body).await
+    }
+
+    /// A call that does not wait for a grant in flight.
+    async fn call_now(&self, path: &str, body: Value) -> Result<Value, StoreError> {
         self.client
             .call(path, &body)
             .await
@@ -323,11 +341,78 @@ impl EtcdStore {
         success: Vec<Value>,
         failure: Vec<Value>,
     ) -> Result<Value, StoreError> {
-        self.call(
+        self.settled().await?;
+        self.txn_now(compare, success, failure).await
+    }
+
+    /// A transaction that does not wait for a grant in flight.
+    async fn txn_now(
+        &self,
+        compare: Vec<Value>,
+        success: Vec<Value>,
+        failure: Vec<Value>,
+    ) -> Result<Value, StoreError> {
+        self.call_now(
             "kv/txn",
             json!({"compare": compare, "success": success, "failure": failure}),
         )
         .await
+    }
+
+    /// Sends the grant of this replica's etcd lease, with an id chosen
+    /// here, and does not wait for its reply: the first acquisition's
+    /// transaction can go out as soon as the lease key has been read,
+    /// while the grant is still on its way: etcd applies them in the order
+    /// it received them. (One that arrived first would fail with "lease not
+    /// found", as with an expired etcd lease: a lease is granted again, and
+    /// the acquisition tried again.)
+    async fn send_grant(&self) {
+        let mut granting = self.granting.lock().await;
+        if granting.is_some() || self.session.lock().unwrap().is_some() {
+            return;
+        }
+        // A random positive int64: unique among the server's leases but
+        // by a chance of one in 2^63 (a clash fails the grant: granted
+        // again by the server's choice on next use).
+        let id = (std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+            >> 1)
+            .max(1) as i64;
+        let sent = Instant::now();
+        let client = self.client.clone();
+        let body = json!({"TTL": self.ttl_secs.max(1), "ID": id.to_string()});
+        *granting = Some((
+            id,
+            tokio::spawn(async move { client.call("lease/grant", &body).await }),
+        ));
+        *self.session.lock().unwrap() = Some(id);
+        *self.alive_since.lock().unwrap() = Some(sent);
+        self.withdrawn.store(false, Ordering::SeqCst);
+    }
+
+    /// Waits for the reply of a grant `send_grant` sent, if any: an error,
+    /// or no lease granted, forgets the session (granted anew on next
+    /// use).
+    async fn settled(&self) -> Result<(), StoreError> {
+        let mut granting = self.granting.lock().await;
+        let Some((id, sent)) = granting.take() else {
+            return Ok(());
+        };
+        let reply = match sent.await {
+            Ok(reply) => reply.map_err(|e| self.store_error(e)),
+            Err(gone) => {
+                Err(Unreachable::Server(format!("etcd: the grant was lost: {gone}")).into())
+            }
+        };
+        let granted = reply.and_then(|granted| match int(&granted["ID"]) {
+            0 => Err(Unreachable::Server(format!("etcd: no lease granted: {granted}")).into()),
+            _ => Ok(()),
+        });
+        if granted.is_err() {
+            self.forget_session(id);
+        }
+        granted
     }
 
     /// This replica's etcd lease: granted on first use, and again after it
@@ -482,14 +567,28 @@ impl EtcdStore {
     /// writes it again, leading).
     async fn look(&self, session: Option<i64>) -> Result<Seen, StoreError> {
         let mut read = vec![range(&self.keys.lease), range(&self.keys.counter)];
-        if let Some(session) = session.filter(|_| self.record_due()) {
-            read.push(put(
-                &self.keys.my_candidate,
-                &self.record(false),
-                Some(session),
-            ));
-        }
-        let read = self.txn(vec![], read, vec![]).await?;
+        let read = match session.filter(|_| self.record_due()) {
+            Some(session) => {
+                read.push(put(
+                    &self.keys.my_candidate,
+                    &self.record(false),
+                    Some(session),
+                ));
+                self.txn(vec![], read, vec![]).await?
+            }
+            // The first look, at startup: touches no etcd lease, so need
+            // not wait for a grant, and is read locally by the member (a
+            // round of the etcd leader's less). What it sees is a guess:
+            // the acquisition's conditions check a lease it saw free, and
+            // one it saw held is looked at again (it is not `fresh`).
+            None => {
+                let read = vec![
+                    range_local(&self.keys.lease),
+                    range_local(&self.keys.counter),
+                ];
+                self.txn_now(vec![], read, vec![]).await?
+            }
+        };
         let seen = Seen::parse(&kvs(&read, 0), &kvs(&read, 1))?;
         *self.seen.lock().unwrap() = Some(seen.clone());
         Ok(seen)
@@ -611,8 +710,9 @@ impl EtcdStore {
             let token = repeated.unwrap_or(highest + 1);
             let value = format!("{token} {} {attempt} {}", self.me.instance, self.me.owner);
             *self.last_record.lock().unwrap() = Some(Instant::now());
+            // Sent even while a grant `check` sent is unanswered.
             let reply = self
-                .txn(
+                .txn_now(
                     vec![
                         guard,
                         same_revision(&self.keys.counter, current.counter_revision),
@@ -992,9 +1092,10 @@ impl LeaseStore for EtcdStore {
     fn check(&self) -> BoxFuture<'_, Result<Option<Unreachable>, Fatal>> {
         Box::pin(async move {
             // The etcd lease is granted at the same time: an acquisition
-            // then needs one transaction.
-            let (looked, granted) = tokio::join!(self.look(None), self.session());
-            match looked.and(granted) {
+            // then needs one transaction, sent without waiting for the
+            // grant's reply.
+            self.send_grant().await;
+            match self.look(None).await {
                 Ok(_) => Ok(None),
                 Err(StoreError::Fatal(fatal)) => Err(fatal),
                 Err(StoreError::Unreachable(why)) => Ok(Some(why)),

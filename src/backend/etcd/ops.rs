@@ -18,6 +18,13 @@ pub(super) fn range(key: &str) -> Value {
     json!({ "request_range": {"key": b64(key.as_bytes())} })
 }
 
+/// `range`, answered by the member asked from what it has applied, without
+/// asking the etcd leader (a transaction of such reads only is): it may be
+/// behind, so only for a guess that a transaction's conditions check.
+pub(super) fn range_local(key: &str) -> Value {
+    json!({ "request_range": {"key": b64(key.as_bytes()), "serializable": true} })
+}
+
 /// Every key that starts with `prefix`, oldest first.
 pub(super) fn range_prefix(prefix: &str, limit: i64) -> Value {
     json!({ "request_range": {
