@@ -19,7 +19,7 @@ use crate::process::{self, Containment, Guard, Host};
 use crate::shard;
 use crate::signals::{SignalEvent, Signals};
 use crate::spec::{KeySource, Spec};
-use crate::supervisor::{Health, HostEvent, LeaseSpec, Supervisor};
+use crate::supervisor::{EarlyCheck, Health, HostEvent, LeaseSpec, Supervisor};
 
 /// How a run fails before it has an exit status of its own to give.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +45,21 @@ impl Failure {
     }
 }
 
+/// Starts the store's startup check and returns once its first requests
+/// are likely out: a few turns of the runtime, each of which polls the
+/// sockets (a connection on the loopback is up by the second). Whatever is
+/// left of it goes on when the runtime next runs.
+async fn start_check(store: Store) -> EarlyCheck {
+    let check = tokio::spawn(async move { store.check().await });
+    for _ in 0..EARLY_TURNS {
+        tokio::task::yield_now().await;
+    }
+    check
+}
+
+/// The runtime's turns `start_check` gives the check.
+const EARLY_TURNS: usize = 6;
+
 /// `leaderrun [OPTIONS] --key KEY -- COMMAND...`
 pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     let log_args = args.lease.log.clone();
@@ -67,6 +82,19 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
             .require_fence_advance(spec.backend.as_ref())?;
     }
     let leases = open(&spec, Identity::new(&spec.owner))?;
+    // A current-thread runtime on the main thread: every process is spawned
+    // from this thread, which lives as long as leaderrun (see spawn.rs).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(4)
+        .build()
+        .context("cannot start the runtime")?;
+    // The backend's first round trip goes out now; its replies wait in the
+    // sockets while the containment and the guard are set up.
+    let early_check = match &leases {
+        Leases::One(store, ..) => Some(runtime.block_on(start_check(store.clone()))),
+        Leases::Shards(_) => None,
+    };
     // The keeper is this very binary, run again: /proc/self/exe names it
     // even if the file was replaced since.
     let containment = Containment::choose(spec.containment, "/proc/self/exe".into())?;
@@ -83,13 +111,6 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
     if let Err(e) = process::become_subreaper() {
         warn!(error = %e, "cannot become a child subreaper; orphans of a term are reaped by init");
     }
-    // A current-thread runtime on the main thread: every process is spawned
-    // from this thread, which lives as long as leaderrun (see spawn.rs).
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .max_blocking_threads(4)
-        .build()
-        .context("cannot start the runtime")?;
     let exit = runtime.block_on(async {
         let signals = Signals::register().context("cannot register signal handlers")?;
         if let Some(address) = &spec.metrics_addr {
@@ -120,8 +141,11 @@ pub fn run(args: RunArgs, key_source: KeySource) -> Result<Exit, Failure> {
         };
         match leases {
             Leases::One(store, metrics, _) => {
-                let supervisor =
+                let mut supervisor =
                     Supervisor::new(lease, store, host.clone(), receiver, Health::new(metrics));
+                if let Some(check) = early_check {
+                    supervisor = supervisor.checked_by(check);
+                }
                 tokio::select! {
                     ended = supervisor.run() => Ok::<_, Failure>(ended?),
                     never = serve_signals(host, signals, vec![events]) => match never {},

@@ -206,13 +206,24 @@ impl<P: Processes> Supervisor<P> {
     /// a warning, except with --no-wait, whose one contact this was.
     pub(super) async fn startup_check(&mut self) -> Result<Option<Exit>, Fatal> {
         let store = self.store.clone();
+        let early = self.early_check.take();
         let give_up_at = match self.spec.wait {
             Wait::For(wait) => Some(Instant::now() + wait),
             Wait::Once | Wait::Forever => None,
         };
         let checked = self
             .race(give_up_at, async {
-                Ok::<_, StoreError>(store.check().await)
+                let checked = match early {
+                    Some(started) => match started.await {
+                        Ok(checked) => checked,
+                        // Not cancelled, and a panic is one anywhere.
+                        Err(lost) => Ok(Some(Unreachable::Server(format!(
+                            "the startup check was lost: {lost}"
+                        )))),
+                    },
+                    None => store.check().await,
+                };
+                Ok::<_, StoreError>(checked)
             })
             .await;
         match checked {

@@ -32,7 +32,7 @@ use self::campaign::Campaign;
 pub use self::gate::Gate;
 pub use self::health::Health;
 use self::term::{EndReason, TermSettings};
-use crate::backend::{Fatal, LeaseStore, StoreError};
+use crate::backend::{Fatal, LeaseStore, StoreError, Unreachable};
 use crate::error::Exit;
 use crate::process::{ChildEnv, Processes};
 use crate::timing::Timing;
@@ -100,7 +100,14 @@ pub struct Supervisor<P: Processes> {
     /// Shard mode: this lease's shard, and the replica's share it attempts
     /// within.
     shard: Option<ShardRole>,
+    /// The startup check, if it was started before the supervisor (see
+    /// `EarlyCheck`).
+    early_check: Option<EarlyCheck>,
 }
+
+/// The backend's startup check, started before the process is set up (the
+/// containment, the guard), so that its round trip goes on meanwhile.
+pub type EarlyCheck = tokio::task::JoinHandle<Result<Option<Unreachable>, Fatal>>;
 
 /// A shard's supervisor's part in its replica's share.
 struct ShardRole {
@@ -137,7 +144,14 @@ impl<P: Processes> Supervisor<P> {
             env,
             attempt: 1,
             shard: None,
+            early_check: None,
         }
+    }
+
+    /// The startup check is `check`, already started.
+    pub fn checked_by(mut self, check: EarlyCheck) -> Supervisor<P> {
+        self.early_check = Some(check);
+        self
     }
 
     /// Shard mode: this supervisor runs shard `shard`, attempting only with
