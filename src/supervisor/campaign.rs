@@ -214,13 +214,11 @@ impl<P: Processes> Supervisor<P> {
         let checked = self
             .race(give_up_at, async {
                 let checked = match early {
-                    Some(started) => match started.await {
-                        Ok(checked) => checked,
-                        // Not cancelled, and a panic is one anywhere.
-                        Err(lost) => Ok(Some(Unreachable::Server(format!(
-                            "the startup check was lost: {lost}"
-                        )))),
-                    },
+                    // Never aborted: an error is the check's panic, which
+                    // goes on as if the check had run here.
+                    Some(started) => started.await.unwrap_or_else(|panicked| {
+                        std::panic::resume_unwind(panicked.into_panic())
+                    }),
                     None => store.check().await,
                 };
                 Ok::<_, StoreError>(checked)

@@ -445,11 +445,7 @@ impl SentinelSet {
                 }
                 Err(e) => assert!(Instant::now() < deadline, "no failover: {e:?}"),
             }
-            assert!(
-                Instant::now() < deadline,
-                "no failover; the first sentinel's log:\n{}",
-                self.sentinels[0].log()
-            );
+            assert!(Instant::now() < deadline, "{}", self.no_failover());
             std::thread::sleep(Duration::from_millis(200));
         }
     }
@@ -480,11 +476,16 @@ impl SentinelSet {
     pub fn wait_new_primary(&self, old: u16) -> u16 {
         match self.new_primary_within(old, Duration::from_secs(60)) {
             Some(new) => new,
-            None => panic!(
-                "no failover; the first sentinel's log:\n{}",
-                self.sentinels[0].log()
-            ),
+            None => panic!("{}", self.no_failover()),
         }
+    }
+
+    /// What a test that waited for a failover in vain says.
+    fn no_failover(&self) -> String {
+        format!(
+            "no failover; the first sentinel's log:\n{}",
+            self.sentinels[0].log()
+        )
     }
 
     /// The new primary, once the sentinels name another than `old` and it

@@ -263,6 +263,14 @@ impl Seen {
 /// A grant sent with the etcd lease id chosen for it, its reply to come.
 type Granting = (i64, tokio::task::JoinHandle<Result<Value, EtcdError>>);
 
+/// The etcd lease a grant's reply names.
+fn granted_id(reply: &Value) -> Result<i64, StoreError> {
+    match int(&reply["ID"]) {
+        0 => Err(Unreachable::Server(format!("etcd: no lease granted: {reply}")).into()),
+        id => Ok(id),
+    }
+}
+
 /// One replica's lease on one key.
 pub struct EtcdStore {
     client: Arc<Client>,
@@ -381,11 +389,23 @@ impl EtcdStore {
             .max(1) as i64;
         let sent = Instant::now();
         let client = self.client.clone();
-        let body = json!({"TTL": self.ttl_secs.max(1), "ID": id.to_string()});
+        let mut body = self.grant_body();
+        body["ID"] = json!(id.to_string());
         *granting = Some((
             id,
             tokio::spawn(async move { client.call("lease/grant", &body).await }),
         ));
+        self.session_began(id, sent);
+    }
+
+    /// The body of a grant of a ttl's etcd lease.
+    fn grant_body(&self) -> Value {
+        json!({"TTL": self.ttl_secs.max(1)})
+    }
+
+    /// This replica's etcd lease is `id`, granted by a request sent at
+    /// `sent`.
+    fn session_began(&self, id: i64, sent: Instant) {
         *self.session.lock().unwrap() = Some(id);
         *self.alive_since.lock().unwrap() = Some(sent);
         self.withdrawn.store(false, Ordering::SeqCst);
@@ -405,10 +425,7 @@ impl EtcdStore {
                 Err(Unreachable::Server(format!("etcd: the grant was lost: {gone}")).into())
             }
         };
-        let granted = reply.and_then(|granted| match int(&granted["ID"]) {
-            0 => Err(Unreachable::Server(format!("etcd: no lease granted: {granted}")).into()),
-            _ => Ok(()),
-        });
+        let granted = reply.and_then(|reply| granted_id(&reply)).map(drop);
         if granted.is_err() {
             self.forget_session(id);
         }
@@ -422,16 +439,9 @@ impl EtcdStore {
             return Ok(id);
         }
         let sent = Instant::now();
-        let granted = self
-            .call("lease/grant", json!({"TTL": self.ttl_secs.max(1)}))
-            .await?;
-        let id = int(&granted["ID"]);
-        if id == 0 {
-            return Err(Unreachable::Server(format!("etcd: no lease granted: {granted}")).into());
-        }
-        *self.session.lock().unwrap() = Some(id);
-        *self.alive_since.lock().unwrap() = Some(sent);
-        self.withdrawn.store(false, Ordering::SeqCst);
+        let granted = self.call("lease/grant", self.grant_body()).await?;
+        let id = granted_id(&granted)?;
+        self.session_began(id, sent);
         Ok(id)
     }
 
