@@ -65,11 +65,15 @@ impl Line {
     }
 
     /// Leaves the line (this replica leads now): the thread lets the next
-    /// follower have the head's place.
+    /// follower have the head's place. Idempotent: called again (before a
+    /// release) it wakes nothing, so the thread does not compete with the
+    /// release for the CPU.
     pub fn leave(&self) {
         let mut place = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        place.following = false;
-        self.changed.notify_all();
+        if place.following {
+            place.following = false;
+            self.changed.notify_all();
+        }
     }
 
     /// The line thread: waits for the line byte while following, holds it as
