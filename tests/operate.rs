@@ -39,9 +39,10 @@ fn owners(status: &serde_json::Value) -> Vec<(String, bool)> {
 }
 
 /// Two replicas are candidates; a follower that stops gracefully leaves the
-/// list at once, one that is killed expires after the ttl.
+/// list at once, one that is killed expires after the ttl, and a leader
+/// leaves it with its last release.
 fn candidates(backend: &str, sandbox: &Sandbox) {
-    let _leader = sandbox
+    let mut leader = sandbox
         .leaderrun_on(backend, "cand")
         .args(["--owner", "a"])
         .sh("touch started; sleep 300")
@@ -92,6 +93,15 @@ fn candidates(backend: &str, sandbox: &Sandbox) {
     assert!(
         took >= Duration::from_millis(1200) && took < Duration::from_secs(5),
         "{took:?}"
+    );
+
+    leader.signal(Signal::SIGTERM);
+    assert!(leader.wait(LONG).is_some());
+    let status = status_json(backend, "cand");
+    assert_eq!(
+        owners(&status),
+        [],
+        "the last release leaves at once: {status}"
     );
 }
 

@@ -67,6 +67,9 @@ pub struct Guard {
     /// with leaderrun's last steps).
     _writer: RawFd,
     board: Board,
+    /// The guard process (leaderrun's child until it exits, which is only
+    /// after leaderrun is gone: the pid stays its own).
+    pid: libc::pid_t,
 }
 
 /// What leaderrun tells the guard, in memory the two share: the running
@@ -403,7 +406,7 @@ impl Guard {
         // guard stays leaderrun's child, in a session of its own (no
         // terminal signal reaches it); it exits only after leaderrun is
         // gone, so there is never a guard to reap.
-        unsafe { clone_vm(guard_main, (launch as *const Launch).cast()) }?;
+        let pid = unsafe { clone_vm(guard_main, (launch as *const Launch).cast()) }?;
         // SAFETY: as for the guard; the keeper of leaderrun's memory reads
         // only the pipe's read end, passed as the argument itself. Without
         // it leaderrun only exits a little slower.
@@ -414,7 +417,17 @@ impl Guard {
         Ok(Guard {
             _writer: writer.into_raw_fd(),
             board,
+            pid,
         })
+    }
+
+    /// Lowers the guard's scheduling priority to the least: leaderrun's run
+    /// is over, its lease released, and all the guard will do is exit after
+    /// it (which is work, the teardown of a process) while the next
+    /// leader's command may be starting on this host.
+    pub fn lower_priority(&self) {
+        // SAFETY: setpriority only changes the nice value of our child.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, self.pid as libc::id_t, 19) };
     }
 
     /// The process group `pgid` runs: kill it if leaderrun dies.
@@ -531,6 +544,10 @@ extern "C" fn memory_keeper_main(arg: *mut libc::c_void) -> libc::c_int {
         libc::sigemptyset(&mut none);
         libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
         libc::prctl(libc::PR_SET_NAME, c"leaderrun-exit".as_ptr());
+        // All it will ever do is exit after leaderrun (the teardown of
+        // leaderrun's memory), and that should not compete with the next
+        // leader's start on this host.
+        libc::setpriority(libc::PRIO_PROCESS, 0, 19);
         until_end_of_file(reader);
         libc::_exit(0)
     }

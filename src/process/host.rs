@@ -31,7 +31,7 @@ use tokio::sync::{Notify, oneshot};
 use super::cgroup::UnitCgroup;
 use super::keeper::{Frame, Link};
 use super::spawn::{self, Command, Options};
-use super::{ChildEnv, Containment, Guard, exit_code, terminal};
+use super::{ChildEnv, Containment, Guard, exit_code, lower_priority, terminal};
 
 /// What to start as a unit.
 pub struct Spawn<'a> {
@@ -74,6 +74,10 @@ pub trait Processes {
     /// A term began with `token`, or (None) is over: if leaderrun dies in
     /// one, the guard releases its lease once its processes are gone.
     fn term(&self, _token: Option<u64>) {}
+    /// The run is over and its lease released: the next leader may be
+    /// starting its command on this host now, and what is left to do here
+    /// (the exit) must not compete with it.
+    fn retire(&self) {}
 }
 
 /// One unit of processes, as the driver uses it.
@@ -177,6 +181,20 @@ impl Processes for Rc<Host> {
         if let Some(guard) = &self.guard {
             guard.term(0, token);
         }
+    }
+
+    /// Lowers the priority of leaderrun and its guard to the least, and
+    /// gives up the CPU: the release woke the next leader, on this CPU when
+    /// it runs here (a virtual machine's idle CPU is passed over), and the
+    /// next leader's start, its command's exec included, should not wait
+    /// for this process's exit, nor the guard's (woken by that exit).
+    fn retire(&self) {
+        lower_priority();
+        if let Some(guard) = &self.guard {
+            guard.lower_priority();
+        }
+        // SAFETY: sched_yield has no arguments and cannot fail.
+        unsafe { libc::sched_yield() };
     }
 
     async fn spawn(&self, what: Spawn<'_>) -> io::Result<Unit> {

@@ -82,6 +82,14 @@ pub fn become_subreaper() -> io::Result<()> {
     nix::sys::prctl::set_child_subreaper(true).map_err(io::Error::from)
 }
 
+/// Lowers this thread's scheduling priority (leaderrun's main thread: the
+/// runtime's) to the least: for the work a replica does on its way out,
+/// after its lease is released.
+pub fn lower_priority() {
+    // SAFETY: setpriority only changes this thread's nice value.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+}
+
 /// Shard mode keeps descriptors per shard (a lease file, a connection):
 /// raises the soft limit on open descriptors to the hard one (at most
 /// 65536). The commands inherit it. Best effort: on failure the limit stays.

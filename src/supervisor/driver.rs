@@ -155,7 +155,12 @@ pub async fn run<P: Processes>(
                     let sent_at = Instant::now();
                     renewal = Some(Box::pin(async move { (sent_at, store.renew(token).await) }));
                 }
-                Action::Release { last } => release(store.as_ref(), token, last).await,
+                Action::Release { last } => {
+                    release(store.as_ref(), token, last).await;
+                    if last {
+                        procs.retire();
+                    }
+                }
                 Action::Finish(end) => {
                     if end.stopped
                         || matches!(end.reason, EndReason::ChildExited | EndReason::Stopped)
@@ -163,7 +168,7 @@ pub async fn run<P: Processes>(
                         // The run is over: the next leader may be starting
                         // its command on this host now, and what is left to
                         // do here must not compete with it.
-                        super::lower_priority();
+                        crate::process::lower_priority();
                     }
                     // Released, or lost: nothing for the guard to release.
                     procs.term(None);

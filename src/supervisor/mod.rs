@@ -37,13 +37,6 @@ use crate::error::Exit;
 use crate::process::{ChildEnv, Processes};
 use crate::timing::Timing;
 
-/// Lowers this process's scheduling priority to the least: for the work a
-/// replica does on its way out, after its lease is released.
-pub(crate) fn lower_priority() {
-    // SAFETY: setpriority only changes this process's nice value.
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
-}
-
 /// What the host tells a supervisor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostEvent {
@@ -188,7 +181,7 @@ impl<P: Processes> Supervisor<P> {
         // Done: the next leader may be starting its command on this host
         // now. What is left to do here (the shutdown notice, the exit) must
         // not compete with it.
-        lower_priority();
+        crate::process::lower_priority();
         // The shutdown notice: a replica that exits gracefully leaves the
         // candidate list at once (one that dies expires after ttl). Not
         // against a backend that does not answer: exiting must not wait.

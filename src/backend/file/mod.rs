@@ -151,11 +151,13 @@ impl Backend for FileBackend {
 pub struct FileStore {
     shared: Arc<Shared>,
     line: Arc<Line>,
-    /// The candidate record written after an acquisition, off the way to
-    /// the command; the next call waits for it, so records never go back.
+    /// The candidate record's write after an acquisition or a release (or
+    /// its removal after the last release), off the way to the command or
+    /// to the next leader's; the next call waits for it, so records never
+    /// go back.
     pending_beat: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// The last release removed the candidate record: `withdraw` has
-    /// nothing left to do.
+    /// The last release removed the candidate record (or its removal is
+    /// pending): `withdraw` has nothing left to do but wait for it.
     withdrawn: AtomicBool,
 }
 
@@ -249,17 +251,19 @@ impl LeaseStore for FileStore {
                 ),
             };
             let leading = matches!(answer, Attempt::Acquired { .. });
-            if answered_inline {
-                // The candidate record on this thread too, for the reason
-                // the acquisition is (nothing of this replica's runs yet):
-                // one small write costs the start less than the blocking
-                // pool's thread does (0.07 ms a cycle, measured).
-                self.shared.beat(leading);
+            // The candidate record after the answer, off the way to the
+            // command. When the acquisition ran on this thread, the record
+            // is written on it too (a small write costs the start less than
+            // the blocking pool's thread does, 0.07 ms a cycle, measured),
+            // in a task: it runs at the runtime's next turn, after the
+            // command's spawn.
+            let shared = self.shared.clone();
+            let beat = if answered_inline {
+                tokio::spawn(async move { shared.beat(leading) })
             } else {
-                let shared = self.shared.clone();
-                let beat = tokio::task::spawn_blocking(move || shared.beat(leading));
-                *self.pending_beat.lock().unwrap() = Some(beat);
-            }
+                tokio::task::spawn_blocking(move || shared.beat(leading))
+            };
+            *self.pending_beat.lock().unwrap() = Some(beat);
             Ok(answer)
         })
     }
@@ -287,11 +291,15 @@ impl LeaseStore for FileStore {
     /// The release and the candidate record's removal, on this thread when
     /// the mutex is free: the run is over, nothing of it can be delayed, and
     /// a hop to the blocking pool for the removal cost every run that ends
-    /// with its command 0.2 ms (measured).
+    /// with its command 0.2 ms (measured). The removal is a task, run at the
+    /// runtime's next turn: after the caller has given up the CPU to the
+    /// next leader, which the release woke. `withdraw` waits for it.
     fn release_last(&self, token: u64) -> Call<'_, bool> {
         Box::pin(async move {
             let released = self.release_here(token).await?;
-            self.shared.withdraw();
+            let shared = self.shared.clone();
+            let removal = tokio::spawn(async move { shared.withdraw() });
+            *self.pending_beat.lock().unwrap() = Some(removal);
             self.withdrawn.store(true, Ordering::SeqCst);
             Ok(released)
         })
@@ -310,7 +318,10 @@ impl LeaseStore for FileStore {
 
     fn withdraw(&self) -> Call<'_, ()> {
         if self.withdrawn.load(Ordering::SeqCst) {
-            return Box::pin(async { Ok(()) });
+            return Box::pin(async {
+                self.settle().await;
+                Ok(())
+            });
         }
         Box::pin(self.blocking(|shared| {
             shared.withdraw();
