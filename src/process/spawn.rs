@@ -152,6 +152,13 @@ pub fn spawn(command: &Command<'_>, options: Options) -> io::Result<Pid> {
         let _ = waitpid(pid, None);
         return Err(io::Error::from_raw_os_error(errno));
     }
+    drop(pinned);
+    // The child has memory of its own now, but its exec is still under way
+    // on this CPU, and this thread's wake (the end of the vfork) has just
+    // taken the CPU from it: give it back, so that the command starts before
+    // this process goes on with what follows a spawn.
+    // SAFETY: sched_yield has no arguments and cannot fail.
+    unsafe { libc::sched_yield() };
     Ok(pid)
 }
 
