@@ -9,7 +9,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{BIN, FAST, Sandbox, wait_until};
+use common::{BIN, FAST, Replica, Sandbox, wait_until};
 use nix::sys::signal::Signal;
 
 const LONG: Duration = Duration::from_secs(15);
@@ -203,6 +203,28 @@ fn as_pid_1_it_reaps_orphans_without_losing_the_childs_status() {
     );
 }
 
+/// The pid of leaderrun's child named `name` (its guard, the keeper of its
+/// memory), waited for: each names itself once it runs (the guard once it
+/// has exec'd), which may come after the command has started, since the
+/// command does not wait for them.
+fn child_named(leader: &Replica, name: &str) -> i32 {
+    let leader = leader.pid();
+    let find = || {
+        let children =
+            std::fs::read_to_string(format!("/proc/{leader}/task/{leader}/children")).ok()?;
+        children
+            .split_whitespace()
+            .find(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|comm| comm.trim() == name)
+            })?
+            .parse()
+            .ok()
+    };
+    assert!(wait_until(LONG, || find().is_some()), "no {name} runs");
+    find().unwrap()
+}
+
 #[test]
 fn the_guard_keeps_none_of_the_callers_descriptors() {
     use std::os::fd::AsRawFd;
@@ -223,15 +245,7 @@ fn the_guard_keeps_none_of_the_callers_descriptors() {
     assert!(wait_until(LONG, || sandbox
         .read("started")
         .contains("started")));
-    let children =
-        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", leader.pid())).unwrap();
-    let guard = children
-        .split_whitespace()
-        .find(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|comm| comm.trim() == "leaderrun-guard")
-        })
-        .expect("a guard runs");
+    let guard = child_named(&leader, "leaderrun-guard");
     let fds: Vec<_> = std::fs::read_dir(format!("/proc/{guard}/fd"))
         .unwrap()
         .map(|entry| entry.unwrap())
@@ -269,20 +283,10 @@ fn the_guard_shares_no_memory_with_leaderrun() {
     assert!(wait_until(LONG, || sandbox
         .read("started")
         .contains("started")));
-    let children =
-        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", leader.pid())).unwrap();
-    let named = |name: &str| -> i32 {
-        children
-            .split_whitespace()
-            .find(|pid| {
-                std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                    .is_ok_and(|comm| comm.trim() == name)
-            })
-            .unwrap_or_else(|| panic!("no {name} among {children}"))
-            .parse()
-            .unwrap()
-    };
-    let (guard, keeper) = (named("leaderrun-guard"), named("leaderrun-exit"));
+    let (guard, keeper) = (
+        child_named(&leader, "leaderrun-guard"),
+        child_named(&leader, "leaderrun-exit"),
+    );
     // kcmp(2) with KCMP_VM: 0 when two processes share their memory.
     const KCMP_VM: libc::c_int = 1;
     let shares = |pid: i32| {
