@@ -1557,7 +1557,6 @@ fn wait_for_lines(path: &Path, n: usize, timeout: Duration) {
     );
 }
 
-/// The (first) child of a process: the tool's command.
 /// Waits (up to 10 s) until `pid` has run for at least 20 ms and its
 /// threads have used no CPU over the last 20 ms: it is waiting for the lease.
 fn wait_until_waiting(pid: u32, spawned: Instant) {
@@ -1584,6 +1583,9 @@ fn wait_until_waiting(pid: u32, spawned: Instant) {
     }
 }
 
+/// The tool's command among the children of `parent`: the stamp program
+/// (not leaderrun's guard or the keeper of its memory, which are its
+/// children too, and come first).
 fn child_pid(parent: u32) -> Option<u32> {
     fs::read_dir("/proc")
         .ok()?
@@ -1593,8 +1595,8 @@ fn child_pid(parent: u32) -> Option<u32> {
                 stat.rfind(')')
                     .and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse::<u32>().ok())
                     == Some(parent)
-                    && !fs::read_to_string(format!("/proc/{pid}/comm"))
-                        .is_ok_and(|c| c.trim() == "leaderrun-guard")
+                    && fs::read_to_string(format!("/proc/{pid}/comm"))
+                        .is_ok_and(|c| c.trim() == "stamp")
             })
         })
 }
