@@ -67,8 +67,8 @@ pub struct Guard {
     /// with leaderrun's last steps).
     _writer: RawFd,
     board: Board,
-    /// The guard process (leaderrun's child until it exits, which is only
-    /// after leaderrun is gone: the pid stays its own).
+    /// The guard process: leaderrun's child, which exits only after
+    /// leaderrun is gone, so its pid names it as long as leaderrun runs.
     pid: libc::pid_t,
 }
 
