@@ -140,7 +140,7 @@ impl Backend for FileBackend {
                 file: Mutex::new(None),
             }),
             line: Arc::default(),
-            pending_beat: Mutex::default(),
+            pending_write: Mutex::default(),
             withdrawn: AtomicBool::new(false),
         };
         Ok(Bounded::wrap(Arc::new(store), call_timeout))
@@ -155,19 +155,25 @@ pub struct FileStore {
     /// its removal after the last release), off the way to the command or
     /// to the next leader's; the next call waits for it, so records never
     /// go back.
-    pending_beat: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pending_write: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The last release removed the candidate record (or its removal is
     /// pending): `withdraw` has nothing left to do but wait for it.
     withdrawn: AtomicBool,
 }
 
 impl FileStore {
+    /// Keeps `write` (a candidate record's write or removal, started off
+    /// the caller's way) for the next call to wait for.
+    fn write_later(&self, write: tokio::task::JoinHandle<()>) {
+        *self.pending_write.lock().unwrap() = Some(write);
+    }
+
     /// Waits for a candidate record still being written, so that records
     /// are written in the order of the calls.
     async fn settle(&self) {
-        let pending = self.pending_beat.lock().unwrap().take();
-        if let Some(beat) = pending {
-            let _ = beat.await;
+        let pending = self.pending_write.lock().unwrap().take();
+        if let Some(write) = pending {
+            let _ = write.await;
         }
     }
 
@@ -200,7 +206,7 @@ impl FileStore {
         Ok(FileStore {
             shared: Arc::new(shared),
             line: Arc::default(),
-            pending_beat: Mutex::default(),
+            pending_write: Mutex::default(),
             withdrawn: AtomicBool::new(false),
         })
     }
@@ -263,7 +269,7 @@ impl LeaseStore for FileStore {
             } else {
                 tokio::task::spawn_blocking(move || shared.beat(leading))
             };
-            *self.pending_beat.lock().unwrap() = Some(beat);
+            self.write_later(beat);
             Ok(answer)
         })
     }
@@ -283,7 +289,7 @@ impl LeaseStore for FileStore {
             // next leader's command.
             let shared = self.shared.clone();
             let beat = tokio::task::spawn_blocking(move || shared.beat(false));
-            *self.pending_beat.lock().unwrap() = Some(beat);
+            self.write_later(beat);
             Ok(released)
         })
     }
@@ -299,7 +305,7 @@ impl LeaseStore for FileStore {
             let released = self.release_here(token).await?;
             let shared = self.shared.clone();
             let removal = tokio::spawn(async move { shared.withdraw() });
-            *self.pending_beat.lock().unwrap() = Some(removal);
+            self.write_later(removal);
             self.withdrawn.store(true, Ordering::SeqCst);
             Ok(released)
         })
