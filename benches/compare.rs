@@ -18,7 +18,9 @@
 //! `LEADERRUN_BENCH_HA=0` the Sentinel and Cluster runs;
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
 //! handovers, for profiling (`LEADERRUN_BENCH_ONLY=etcd,flock`: only those
-//! tools), and etcd's own floor for a handover when `etcdctl lock` is in. The children are `benches/stamp.c`, compiled here: a static C
+//! tools; `LEADERRUN_BENCH_AGAINST=/path/to/leaderrun`: each leaderrun row
+//! again with that binary, interleaved, to compare two builds), and etcd's
+//! own floor for a handover when `etcdctl lock` is in. The children are `benches/stamp.c`, compiled here: a static C
 //! program that writes CLOCK_MONOTONIC (shared by every process on the host)
 //! as its first and last actions, so no shell start-up is counted.
 
@@ -74,23 +76,35 @@ fn main() {
     let mut tools = vec![
         Tool {
             name: "leaderrun (file)",
-            kind: Kind::Leaderrun(format!("file:{}", dir.path().join("state").display())),
+            kind: Kind::Leaderrun {
+                url: format!("file:{}", dir.path().join("state").display()),
+                bin: BIN,
+            },
         },
         Tool {
             name: "leaderrun (redis)",
-            kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", redis.port)),
+            kind: Kind::Leaderrun {
+                url: format!("redis://127.0.0.1:{}", redis.port),
+                bin: BIN,
+            },
         },
     ];
     if let Some(postgres) = &postgres {
         tools.push(Tool {
             name: "leaderrun (postgres)",
-            kind: Kind::Leaderrun(postgres.url()),
+            kind: Kind::Leaderrun {
+                url: postgres.url(),
+                bin: BIN,
+            },
         });
     }
     if let Some(etcd) = &etcd {
         tools.push(Tool {
             name: "leaderrun (etcd)",
-            kind: Kind::Leaderrun(format!("etcd://127.0.0.1:{}", etcd.port)),
+            kind: Kind::Leaderrun {
+                url: format!("etcd://127.0.0.1:{}", etcd.port),
+                bin: BIN,
+            },
         });
         tools.push(Tool {
             name: "etcdctl lock",
@@ -107,6 +121,23 @@ fn main() {
         // comma-separated words.
         if let Ok(only) = std::env::var("LEADERRUN_BENCH_ONLY") {
             tools.retain(|tool| only.split(',').any(|word| tool.name.contains(word)));
+        }
+        if let Ok(other) = std::env::var("LEADERRUN_BENCH_AGAINST") {
+            let other: &'static str = Box::leak(other.into_boxed_str());
+            let twins: Vec<Tool> = tools
+                .iter()
+                .filter_map(|tool| match &tool.kind {
+                    Kind::Leaderrun { url, .. } => Some(Tool {
+                        name: Box::leak(format!("{} against", tool.name).into_boxed_str()),
+                        kind: Kind::Leaderrun {
+                            url: url.clone(),
+                            bin: other,
+                        },
+                    }),
+                    _ => None,
+                })
+                .collect();
+            tools.extend(twins);
         }
         let cycles = bench.interleaved_cycles(&tools, samples);
         let handovers = bench.interleaved_handovers(&tools, samples, 20);
@@ -301,15 +332,24 @@ impl Bench {
             Tool {
                 // Not "leaderrun (redis)": its handover files are the rows'.
                 name: "leaderrun (redis, one server)",
-                kind: Kind::Leaderrun(format!("redis://127.0.0.1:{}", self.redis_port)),
+                kind: Kind::Leaderrun {
+                    url: format!("redis://127.0.0.1:{}", self.redis_port),
+                    bin: BIN,
+                },
             },
             Tool {
                 name: "leaderrun (redis sentinel)",
-                kind: Kind::Leaderrun(set.url()),
+                kind: Kind::Leaderrun {
+                    url: set.url(),
+                    bin: BIN,
+                },
             },
             Tool {
                 name: "leaderrun (redis cluster)",
-                kind: Kind::Leaderrun(cluster.url()),
+                kind: Kind::Leaderrun {
+                    url: cluster.url(),
+                    bin: BIN,
+                },
             },
         ];
         let cycles = self.interleaved_cycles(&tools, samples);
@@ -374,7 +414,10 @@ impl Bench {
             };
             let tool = Tool {
                 name: "ha",
-                kind: Kind::Leaderrun(url.clone()),
+                kind: Kind::Leaderrun {
+                    url: url.clone(),
+                    bin: BIN,
+                },
             };
             let stamps = self.dir.join(format!("{key}-{sentinel}.stamps"));
             // Renewals every 500 ms: a budget of 3.5 s, past a failover here.
@@ -645,7 +688,11 @@ struct Tool {
 }
 
 enum Kind {
-    Leaderrun(String),
+    /// leaderrun on a backend URL, this build's binary or another.
+    Leaderrun {
+        url: String,
+        bin: &'static str,
+    },
     Etcdctl(String),
     Flock(PathBuf),
 }
@@ -659,8 +706,8 @@ impl Tool {
     /// `command`, with more options for leaderrun.
     fn command_with(&self, key: &str, child: &[&str], options: &[&str]) -> Command {
         let mut cmd = match &self.kind {
-            Kind::Leaderrun(url) => {
-                let mut cmd = Command::new(BIN);
+            Kind::Leaderrun { url, bin } => {
+                let mut cmd = Command::new(bin);
                 cmd.args([
                     "--backend",
                     url,
@@ -721,7 +768,7 @@ impl Bench {
         // flock's answer is the same every time (the killed holder's child
         // keeps the lock), and etcd's takes a ttl per sample.
         let failover_samples = match tool.kind {
-            Kind::Leaderrun(_) => 20,
+            Kind::Leaderrun { .. } => 20,
             Kind::Etcdctl(_) => 5,
             Kind::Flock(_) => 1,
         };
@@ -839,10 +886,10 @@ impl Bench {
             .unwrap();
         wait_for_lines(&stamps, 1, Duration::from_secs(30));
         let window = Duration::from_secs(12);
-        let redis = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("redis"));
-        let etcd = matches!(&tool.kind, Kind::Leaderrun(url) if url.starts_with("etcd"));
+        let redis = matches!(&tool.kind, Kind::Leaderrun { url, .. } if url.starts_with("redis"));
+        let etcd = matches!(&tool.kind, Kind::Leaderrun { url, .. } if url.starts_with("etcd"));
         // leaderrun counts its own calls on the other backends.
-        let file = matches!(&tool.kind, Kind::Leaderrun(url) if !url.starts_with("redis") && !url.starts_with("etcd"));
+        let file = matches!(&tool.kind, Kind::Leaderrun { url, .. } if !url.starts_with("redis") && !url.starts_with("etcd"));
         let alone = if redis {
             Some(self.redis_requests_during(window))
         } else if etcd {
@@ -933,7 +980,10 @@ impl Bench {
         ] {
             let tool = Tool {
                 name: "scale",
-                kind: Kind::Leaderrun(url.clone()),
+                kind: Kind::Leaderrun {
+                    url: url.clone(),
+                    bin: BIN,
+                },
             };
             let mut handover = Vec::new();
             let (mut host_ms, mut redis_ms, mut commands, mut seconds) = (0.0, 0.0, 0.0, 0.0);
@@ -992,7 +1042,10 @@ impl Bench {
         // handover on one of them while the others keep renewing.
         let tool = Tool {
             name: "keys",
-            kind: Kind::Leaderrun(format!("redis://127.0.0.1:{redis_port}")),
+            kind: Kind::Leaderrun {
+                url: format!("redis://127.0.0.1:{redis_port}"),
+                bin: BIN,
+            },
         };
         let mut leaders: Vec<Child> = (0..1000)
             .map(|i| {
@@ -1054,7 +1107,9 @@ impl HandoverRig {
         let stamps = bench.dir.join(format!("{name}.stamps"));
         let go = bench.dir.join(format!("{name}.go"));
         nix::unistd::mkfifo(&go, nix::sys::stat::Mode::S_IRWXU).unwrap();
-        let mut command = bench.stamped(tool, &format!("handover-{hold_ms}"), &stamps, hold_ms);
+        // A key of the tool's own: two builds of leaderrun on one backend
+        // (LEADERRUN_BENCH_AGAINST) must not share a lease.
+        let mut command = bench.stamped(tool, &name, &stamps, hold_ms);
         command.env("LEADERRUN_BENCH_GO", &go);
         let program = command.get_program().to_owned();
         let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
