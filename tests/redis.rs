@@ -682,3 +682,267 @@ fn the_guard_hands_the_lease_over_when_only_the_supervisor_dies() {
     );
     assert!(took < Duration::from_secs(2), "{took:?}");
 }
+
+/// The stores of three replicas of one key that take a lease a release
+/// hands over (as the supervisor's are), with a ttl of `ttl`.
+fn handover_stores(
+    server: &RedisServer,
+    key: &str,
+    ttl: Duration,
+) -> [std::sync::Arc<dyn leaderrun::backend::LeaseStore>; 3] {
+    use leaderrun::backend::{BackendOptions, Identity, LeaseConfig};
+    let backend =
+        leaderrun::backend::parse(Some(server.url()), &BackendOptions::default()).unwrap();
+    ["a", "b", "c"].map(|owner| {
+        backend
+            .lease(LeaseConfig {
+                key: key.into(),
+                me: Identity::new(owner),
+                ttl,
+                call_timeout: Duration::from_secs(2),
+                hand_over: true,
+            })
+            .unwrap()
+    })
+}
+
+/// Every command the server ran, but those the test itself sends to count.
+fn commands_run(server: &RedisServer) -> u64 {
+    text(server.command(None, &["INFO", "commandstats"]).unwrap())
+        .lines()
+        .filter(|l| !l.starts_with("cmdstat_info:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(future)
+}
+
+/// `b` waits in line (its notice pending) until its place is taken.
+async fn in_line(
+    b: &std::sync::Arc<dyn leaderrun::backend::LeaseStore>,
+) -> tokio::task::JoinHandle<()> {
+    let waiting = {
+        let b = b.clone();
+        tokio::spawn(async move { b.notice().await })
+    };
+    let placed = Instant::now();
+    while !b.wakes_on_release() {
+        assert!(placed.elapsed() < LONG, "b never got its place in line");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    waiting
+}
+
+/// A follower sends its acquisition behind its `BLPOP`, so Redis runs it
+/// the moment the release's wake is served: the lease is the follower's
+/// without a request after the release, and its term counts from when that
+/// attempt was sent (before the release), not from when the follower
+/// learned of it: the store says so (`acquired_since`), and the server keeps
+/// the lease at least a ttl from then.
+#[test]
+fn a_release_hands_the_lease_to_the_follower_without_a_request_after_it() {
+    use leaderrun::backend::Attempt;
+
+    let server = ready_server();
+    let ttl = Duration::from_secs(2);
+    let [a, b, c] = handover_stores(&server, "behind", ttl);
+    block_on(async {
+        let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
+            panic!("a did not acquire");
+        };
+        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+        let waiting = in_line(&b).await;
+        tokio::time::sleep(ttl / 8).await;
+        let released = Instant::now();
+        assert!(a.release_last(token).await.unwrap());
+        waiting.await.unwrap();
+        let before = commands_run(&server);
+        let handed = b.acquire(1).await;
+        let asked = commands_run(&server) - before;
+        let Ok(Attempt::Acquired { token: handed }) = handed else {
+            panic!("b was not handed the lease: {handed:?}");
+        };
+        assert_eq!((handed, asked), (token + 1, 0), "handed without a request");
+        let since = b
+            .acquired_since()
+            .expect("b says when its acquisition was sent");
+        assert!(since < released, "counted from before the release");
+        tokio::time::sleep_until(tokio::time::Instant::from_std(since + ttl.mul_f64(0.75))).await;
+        match c.acquire(1).await {
+            Ok(Attempt::Held(holder)) => assert_eq!(holder.token, handed),
+            other => panic!("b's lease lapsed before a ttl from its attempt: {other:?}"),
+        }
+    });
+}
+
+/// A lease the line's attempt took at a release, which no term took (the
+/// replica stopped first), goes with the replica's shutdown notice, and
+/// wakes the next follower: nobody waits for it to lapse.
+#[test]
+fn a_lease_taken_in_line_that_no_term_took_is_given_up_at_exit() {
+    use leaderrun::backend::Attempt;
+
+    let server = ready_server();
+    let [a, b, c] = handover_stores(&server, "untaken", Duration::from_secs(2));
+    block_on(async {
+        let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
+            panic!("a did not acquire");
+        };
+        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+        assert!(matches!(c.acquire(1).await, Ok(Attempt::Held(_))));
+        let b_waiting = in_line(&b).await;
+        let c_waiting = in_line(&c).await;
+        assert!(a.release_last(token).await.unwrap());
+        b_waiting.await.unwrap();
+        // b's line holds the lease now; b exits without a term.
+        b.withdraw().await.unwrap();
+        c_waiting.await.unwrap();
+        match c.acquire(1).await {
+            Ok(Attempt::Acquired { token: taken }) => assert_eq!(taken, token + 2),
+            other => panic!("c did not take the lease b gave up: {other:?}"),
+        }
+        let observed = c.observe().await.unwrap();
+        assert!(
+            observed.candidates.iter().all(|r| r.owner != "b"),
+            "{observed:?}"
+        );
+    });
+}
+
+/// An acquisition the line made longer ago than half a ttl is not taken as
+/// it is: the term would begin with little of its ttl left. The attempt is
+/// made again, as the same attempt (the same token), with a fresh ttl.
+#[test]
+fn a_lease_taken_in_line_long_ago_is_renewed_by_a_repeated_attempt() {
+    use leaderrun::backend::Attempt;
+
+    let server = ready_server();
+    let ttl = Duration::from_secs(2);
+    let [a, b, _] = handover_stores(&server, "stale", ttl);
+    block_on(async {
+        let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
+            panic!("a did not acquire");
+        };
+        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+        let waiting = in_line(&b).await;
+        assert!(a.release_last(token).await.unwrap());
+        waiting.await.unwrap();
+        tokio::time::sleep(ttl / 2 + Duration::from_millis(100)).await;
+        let before = commands_run(&server);
+        let again = b.acquire(1).await;
+        assert!(commands_run(&server) > before, "b asked again");
+        assert_eq!(again.ok(), Some(Attempt::Acquired { token: token + 1 }));
+        assert_eq!(
+            b.acquired_since(),
+            None,
+            "counted from the repeated attempt"
+        );
+        let left: i64 = match server
+            .command(None, &["PTTL", "leaderrun:{stale}:lease"])
+            .unwrap()
+        {
+            redis::Value::Int(ms) => ms,
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            left > 1500,
+            "the repeated attempt renewed the lease: {left} ms left"
+        );
+    });
+}
+
+/// An attempt sent behind a `BLPOP` runs whenever the wake comes, so it may
+/// run for a replica that has left since (its shutdown notice removed its
+/// record): it takes nothing, and passes the wake on to the next follower.
+/// Here the attempt is sent by hand, first in line, for a replica that
+/// never had a record.
+#[test]
+fn an_attempt_in_line_for_a_replica_that_left_takes_nothing_and_passes_the_wake_on() {
+    use leaderrun::backend::Attempt;
+
+    let server = ready_server();
+    let [a, b, _] = handover_stores(&server, "ghost", Duration::from_secs(2));
+    let script = [
+        include_str!("../src/backend/redis/scripts/beat.lua"),
+        include_str!("../src/backend/redis/scripts/acquire.lua"),
+    ]
+    .concat();
+    block_on(async {
+        let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
+            panic!("a did not acquire");
+        };
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut ghost = client.get_multiplexed_async_connection().await.unwrap();
+        let keys = [
+            "lease",
+            "counter",
+            "candidates",
+            "released",
+            "history",
+            "heldoff",
+            "line",
+        ]
+        .map(|name| format!("leaderrun:{{ghost}}:{name}"));
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        pipe.cmd("BLPOP").arg(&keys[6]).arg(10);
+        pipe.cmd("EVAL")
+            .arg(&script)
+            .arg(keys.len())
+            .arg(&keys[..])
+            .arg(&[
+                "0123456789abcdef",
+                "1",
+                "ghost",
+                "2000",
+                "0",
+                "",
+                "2",
+                "1 2 host ghost",
+                "",
+                "9007199254740991",
+                "1",
+                "0",
+            ]);
+        let ghost_turn = tokio::spawn(async move {
+            let replies: Vec<redis::Value> = pipe.query_async(&mut ghost).await.unwrap();
+            replies
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+        let waiting = in_line(&b).await;
+        assert!(a.release_last(token).await.unwrap());
+        let replies = ghost_turn.await.unwrap();
+        assert!(
+            matches!(&replies[0], redis::Value::Array(_)),
+            "the ghost took the wake: {replies:?}"
+        );
+        let declined: (i64, u64, String, i64) =
+            redis::from_redis_value(replies[1].clone()).unwrap();
+        assert_eq!(declined.0, 7, "the ghost's attempt was declined");
+        waiting.await.unwrap();
+        assert_eq!(
+            b.acquire(1).await.ok(),
+            Some(Attempt::Acquired { token: token + 1 }),
+            "b took the wake passed on"
+        );
+        let observed = b.observe().await.unwrap();
+        assert!(
+            observed.candidates.iter().all(|r| r.owner != "ghost"),
+            "{observed:?}"
+        );
+    });
+}

@@ -4,7 +4,11 @@
 //!   `redis+sentinel://`, `redis+cluster://`);
 //! - `connection.rs`: the target (one server, a Sentinel service, a
 //!   cluster), the command connection, error sorting;
-//! - `line.rs`: the followers' line (`BLPOP`);
+//! - `acquisition.rs`: an acquisition attempt's request and answer, and the
+//!   answer the line got before the campaign asked;
+//! - `line.rs`: the followers' line (`BLPOP`, with an acquisition attempt
+//!   right behind it, which Redis runs the moment a release's wake is
+//!   served);
 //! - `scripts/*.lua`: every operation, one script each, atomic on the server.
 //!
 //! The keys of a lease share a hash tag, so they live in one slot of a Redis
@@ -32,20 +36,21 @@
 //! In each case a leader from before the loss may still be stopping its
 //! child; its next renewal finds the lease gone and its term is lost.
 
+mod acquisition;
 mod connection;
 mod line;
 mod url;
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use redis::Script;
-use tokio::time::Instant;
-use tracing::warn;
+use tracing::{debug, warn};
 
+use self::acquisition::{Acquirer, Answer};
 use self::connection::{Connection, Target, is_auth_error};
 use self::line::Line;
 use self::url::{Address, RedisUrl};
@@ -110,12 +115,50 @@ impl RedisBackend {
         let prefix = format!("leaderrun:{{{}}}", lease.key);
         let key = |name: &str| format!("{prefix}:{name}");
         let id = &lease.me;
+        let keys = Keys {
+            line: key("line"),
+            lease: key("lease"),
+            counter: key("counter"),
+            candidates: key("candidates"),
+            released: key("released"),
+            probe: key("probe"),
+            history: key("history"),
+            heldoff: key("heldoff"),
+        };
+        let record = format!(
+            "{} {} {} {}",
+            id.since_ms,
+            id.pid,
+            id.record_host(),
+            id.owner
+        );
+        let acquirer = Arc::new(Acquirer::new(
+            [
+                keys.lease.clone(),
+                keys.counter.clone(),
+                keys.candidates.clone(),
+                keys.released.clone(),
+                keys.history.clone(),
+                keys.heldoff.clone(),
+                keys.line.clone(),
+            ],
+            lease.me.clone(),
+            lease.ttl,
+            record.clone(),
+        ));
+        // The acquisition behind the line is one the release hands over:
+        // not where taking a lease needs more than the backend's say-so,
+        // nor where a write counts only once replicas have it (`WAIT` on
+        // the line's connection would block every turn).
+        let behind =
+            (lease.hand_over && self.url.wait_replicas == 0).then(|| (acquirer.clone(), lease.ttl));
         RedisStore {
             conn: Connection::new(self.target.clone(), lease.call_timeout, &self.url),
             line: Arc::new(Line::new(
-                key("line"),
+                keys.line.clone(),
                 self.target.clone(),
                 lease.call_timeout,
+                behind,
             )),
             wait_replicas: self.url.wait_replicas,
             call_timeout: lease.call_timeout,
@@ -123,28 +166,12 @@ impl RedisBackend {
                 Address::Sentinel { service, .. } => Some(service.clone()),
                 _ => None,
             },
-            keys: Keys {
-                line: key("line"),
-                lease: key("lease"),
-                counter: key("counter"),
-                candidates: key("candidates"),
-                released: key("released"),
-                probe: key("probe"),
-                history: key("history"),
-                heldoff: key("heldoff"),
-            },
-            record: format!(
-                "{} {} {} {}",
-                id.since_ms,
-                id.pid,
-                id.record_host(),
-                id.owner
-            ),
+            keys,
+            record,
             me: lease.me,
             ttl: lease.ttl,
-            highest_seen: AtomicU64::new(0),
-            server: Mutex::new(ServerView::default()),
-            last_holder: Mutex::new(None),
+            acquirer,
+            handed_since: Mutex::new(None),
             withdrawn: AtomicBool::new(false),
             scripts: Scripts::new(),
         }
@@ -165,14 +192,12 @@ pub struct RedisStore {
     /// "<since ms> <pid> <host> <owner>": this replica's candidate record.
     record: String,
     ttl: Duration,
-    /// The highest token this replica has seen, its own or a holder's.
-    highest_seen: AtomicU64,
-    /// The server's run id as last seen, and until when acquisition is held
-    /// off after it changed.
-    server: Mutex<ServerView>,
-    /// The token of the last holder seen, and when its lease expires at the
-    /// latest (measured from the reply, so never before the server's).
-    last_holder: Mutex<Option<(u64, Instant)>>,
+    /// Acquisition attempts: what they send, what they learnt, and the
+    /// answer the line got to one it sent behind its `BLPOP`.
+    acquirer: Arc<Acquirer>,
+    /// The last acquisition was the line's, sent then: the term is counted
+    /// from that moment (`acquired_since`).
+    handed_since: Mutex<Option<std::time::Instant>>,
     scripts: Scripts,
     /// The last release removed the candidate record: `withdraw` has
     /// nothing left to do.
@@ -192,14 +217,7 @@ struct Keys {
     heldoff: String,
 }
 
-#[derive(Default)]
-struct ServerView {
-    run_id: String,
-    held_off_until: Option<Instant>,
-}
-
 struct Scripts {
-    acquire: Script,
     renew: Script,
     release: Script,
     heartbeat: Script,
@@ -213,24 +231,16 @@ impl Scripts {
     fn new() -> Scripts {
         let with = |prelude: &str, body: &str| Script::new(&[prelude, body].concat());
         Scripts {
-            acquire: with(BEAT, include_str!("scripts/acquire.lua")),
             renew: with(BEAT, include_str!("scripts/renew.lua")),
             release: with(BEAT, include_str!("scripts/release.lua")),
             heartbeat: with(BEAT, include_str!("scripts/heartbeat.lua")),
             advance: Script::new(include_str!("scripts/advance.lua")),
             observe: with(LIVE, include_str!("scripts/observe.lua")),
-            withdraw: with(LIVE, include_str!("scripts/withdraw.lua")),
+            withdraw: with(&[BEAT, LIVE].concat(), include_str!("scripts/withdraw.lua")),
             probe: Script::new(include_str!("scripts/probe.lua")),
         }
     }
 }
-
-const YOUNG: &str =
-    "the Redis server started less than one ttl ago; waiting for a stale leader to stop";
-const NEW_RUN_ID: &str =
-    "the Redis server changed (new run id); waiting one ttl for a stale leader to stop";
-const OTHER_HISTORY: &str = "the lease was last written on a server with another replication history (a failover to a replica that may have missed writes, or a restart); waiting one ttl for a stale leader to stop";
-const VANISHED: &str = "the lease vanished before its known expiry (flushed, deleted or evicted); waiting for that expiry so its holder can stop";
 
 impl RedisStore {
     /// `?wait=N`: the write just made on this connection counts only once N
@@ -260,120 +270,38 @@ impl RedisStore {
         self.ttl.as_millis().to_string()
     }
 
-    /// Remembers a token seen on the server, so the counter is never let
-    /// fall behind it.
-    fn saw(&self, token: u64) {
-        self.highest_seen.fetch_max(token, Ordering::SeqCst);
-    }
-
-    /// The token of the last holder seen whose lease has not expired yet.
-    fn unexpired_holder(&self) -> Option<(u64, Instant)> {
-        let last = *self.last_holder.lock().unwrap();
-        last.filter(|(_, expires)| *expires > Instant::now())
-    }
-
     async fn acquire_once(&self, attempt: u64) -> Result<Attempt, StoreError> {
-        let (known_run_id, held_off) = {
-            let server = self.server.lock().unwrap();
-            (server.run_id.clone(), server.held_off_until)
+        let acquirer = &self.acquirer;
+        acquirer.attempting(attempt);
+        if let Some((answer, sent_at)) = acquirer.take_kept(attempt) {
+            if let Some(sent_at) = sent_at {
+                debug!("the lease was taken by the attempt sent behind the line's BLPOP");
+                *self.handed_since.lock().unwrap() = Some(sent_at.into_std());
+            }
+            return Ok(answer);
+        }
+        *self.handed_since.lock().unwrap() = None;
+        let request = match acquirer.request(attempt, None) {
+            Ok(request) => request,
+            Err(held_off) => return Ok(held_off),
         };
-        let now = Instant::now();
-        if let Some(until) = held_off.filter(|until| now < *until) {
-            return Ok(Attempt::HeldOff {
-                retry_in: until - now,
-                why: NEW_RUN_ID,
-            });
-        }
-        let ttl_secs = self.ttl.as_secs() + u64::from(self.ttl.subsec_nanos() > 0);
-        let holder = self.unexpired_holder();
-        let k = &self.keys;
-        let (code, token, text, ms): (i64, u64, String, i64) = self
+        let keys: Vec<&str> = acquirer.keys.iter().map(String::as_str).collect();
+        let reply = self
             .conn
-            .run(
-                &self.scripts.acquire,
-                &[
-                    &k.lease,
-                    &k.counter,
-                    &k.candidates,
-                    &k.released,
-                    &k.history,
-                    &k.heldoff,
-                ],
-                &[
-                    self.me.instance.clone(),
-                    attempt.to_string(),
-                    self.me.owner.clone(),
-                    self.ttl_ms(),
-                    self.highest_seen.load(Ordering::SeqCst).to_string(),
-                    known_run_id,
-                    ttl_secs.to_string(),
-                    self.record.clone(),
-                    holder
-                        .map(|(token, _)| token.to_string())
-                        .unwrap_or_default(),
-                    MAX_TOKEN.to_string(),
-                ],
-            )
+            .run(&acquirer.script, &keys, &request.args)
             .await?;
-        let remaining = Duration::from_millis(ms.max(0) as u64);
-        if code == 1 {
-            self.saw(token);
-            if !text.is_empty() {
-                self.server.lock().unwrap().run_id = text;
+        match acquirer.answer(reply, &request)? {
+            Answer::Attempt(answer) => {
+                if let Attempt::Acquired { .. } = answer {
+                    // Not acknowledged: an error, and the retry finds the
+                    // lease already ours (acquire is idempotent for one
+                    // attempt).
+                    self.acknowledged().await?;
+                }
+                Ok(answer)
             }
-            *self.last_holder.lock().unwrap() = None;
-            // Not acknowledged: an error, and the retry finds the lease
-            // already ours (acquire is idempotent for one attempt).
-            self.acknowledged().await?;
-            return Ok(Attempt::Acquired { token });
-        }
-        let mut server = self.server.lock().unwrap();
-        match code {
-            0 => {
-                self.saw(token);
-                // PTTL is -1 for a key without expiry (an operator's SET).
-                let expires_in = (ms >= 0).then_some(remaining);
-                *self.last_holder.lock().unwrap() =
-                    expires_in.map(|left| (token, Instant::now() + left));
-                Ok(Attempt::Held(Holder {
-                    owner: text,
-                    token,
-                    expires_in,
-                }))
-            }
-            2 => {
-                server.run_id = text;
-                Ok(Attempt::HeldOff {
-                    retry_in: remaining,
-                    why: YOUNG,
-                })
-            }
-            3 => {
-                // The run id changed: the data may be older than what a
-                // leader was told. Hold off one ttl from now.
-                server.run_id = text;
-                server.held_off_until = Some(Instant::now() + self.ttl);
-                Ok(Attempt::HeldOff {
-                    retry_in: self.ttl,
-                    why: NEW_RUN_ID,
-                })
-            }
-            4 => {
-                let until = holder.map_or(now, |(_, expires)| expires);
-                Ok(Attempt::HeldOff {
-                    retry_in: until.saturating_duration_since(Instant::now()),
-                    why: VANISHED,
-                })
-            }
-            6 => Ok(Attempt::HeldOff {
-                retry_in: remaining,
-                why: OTHER_HISTORY,
-            }),
-            _ => Err(Fatal::CounterExhausted {
-                counter: token,
-                max: MAX_TOKEN,
-            }
-            .into()),
+            // Only an attempt behind the line is declined.
+            Answer::Declined => Err(Fatal::Internal("an acquisition was declined".into()).into()),
         }
     }
 
@@ -396,7 +324,7 @@ impl RedisStore {
             self.acknowledged().await?;
             return Ok(());
         }
-        self.saw(holder_token);
+        self.acquirer.saw(holder_token);
         Err(RenewError::Lost((holder_token > 0).then_some(Holder {
             owner,
             token: holder_token,
@@ -547,7 +475,7 @@ impl LeaseStore for RedisStore {
                     &[floor.to_string()],
                 )
                 .await?;
-            self.saw(counter);
+            self.acquirer.saw(counter);
             Ok(counter)
         })
     }
@@ -566,17 +494,23 @@ impl LeaseStore for RedisStore {
         })
     }
 
+    /// Also gives up a lease this replica holds without a term: one the
+    /// line's attempt acquired that nobody took (the run ended first). An
+    /// attempt behind the line that runs later finds the record gone and
+    /// takes nothing.
     fn withdraw(&self) -> Call<'_, ()> {
+        self.line.leave();
         if self.withdrawn.load(Ordering::SeqCst) {
             return Box::pin(async { Ok(()) });
         }
         Box::pin(async move {
+            let k = &self.keys;
             let _: i64 = self
                 .conn
                 .run(
                     &self.scripts.withdraw,
-                    &[&self.keys.candidates],
-                    std::slice::from_ref(&self.me.instance),
+                    &[&k.candidates, &k.lease, &k.line, &k.released],
+                    &[self.me.instance.clone(), self.ttl_ms()],
                 )
                 .await?;
             Ok(())
@@ -621,6 +555,11 @@ impl LeaseStore for RedisStore {
 
     fn leading(&self) {
         self.line.leave();
+        self.acquirer.forget_kept();
+    }
+
+    fn acquired_since(&self) -> Option<std::time::Instant> {
+        *self.handed_since.lock().unwrap()
     }
 
     fn wakes_on_release(&self) -> bool {

@@ -7,10 +7,11 @@ end
 -- Refreshes the caller's candidate record in the hash
 -- leaderrun:{KEY}:candidates (field: instance; value: "<expires ms> <seen
 -- ms> <leading 0|1> <since ms> <pid> <host> <owner>", server time).
+-- Returns 1 if the record was not there.
 local function beat(candidates, instance, ttl_ms, leading, record)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('HSET', candidates, instance,
+  return redis.call('HSET', candidates, instance,
     string.format('%d %d %d %s', now + tonumber(ttl_ms), now, leading, record))
 end
 
