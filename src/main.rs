@@ -52,6 +52,11 @@ fn main() -> ExitCode {
     if let Some(setting) = std::env::var_os(GUARD_ENV) {
         guard_main(&setting);
     }
+    // Before any thread starts: SIGCHLD is read from a signalfd.
+    if let Err(e) = leaderrun::signals::block_child_signal() {
+        eprintln!("leaderrun: error: cannot block SIGCHLD: {e}");
+        return ExitCode::from(Exit::INTERNAL);
+    }
     ensure_standard_fds();
     std::panic::set_hook(Box::new(|info| {
         eprintln!("leaderrun: internal error: {info}");
