@@ -114,15 +114,14 @@ impl Link {
         let (ours, theirs) = StdStream::pair()?;
         let mut argv: Vec<OsString> = vec!["leaderrun-keeper".into(), command.path.into()];
         argv.extend(command.argv.iter().cloned());
-        let mut env: Vec<Vec<u8>> = command.env.to_vec();
-        env.push(
-            format!(
-                "{KEEPER_ENV}={}:{}",
-                theirs.as_raw_fd(),
-                u8::from(take_terminal)
-            )
-            .into_bytes(),
-        );
+        let setting = std::ffi::CString::new(format!(
+            "{KEEPER_ENV}={}:{}",
+            theirs.as_raw_fd(),
+            u8::from(take_terminal)
+        ))
+        .map_err(io::Error::other)?;
+        let mut env: Vec<&std::ffi::CStr> = command.env.to_vec();
+        env.push(&setting);
         let keeper = spawn::spawn(
             &Command {
                 path: exe,
@@ -235,15 +234,16 @@ fn run(setting: &str) -> io::Result<()> {
     let mut args = std::env::args_os().skip(1);
     let path = PathBuf::from(args.next().ok_or_else(|| io::Error::other("no program"))?);
     let argv: Vec<OsString> = args.collect();
-    let env: Vec<Vec<u8>> = std::env::vars_os()
+    let owned: Vec<std::ffi::CString> = std::env::vars_os()
         .filter(|(name, _)| name != KEEPER_ENV)
-        .map(|(name, value)| {
+        .filter_map(|(name, value)| {
             let mut pair = name.into_vec();
             pair.push(b'=');
             pair.extend(value.into_vec());
-            pair
+            std::ffi::CString::new(pair).ok()
         })
         .collect();
+    let env: Vec<&std::ffi::CStr> = owned.iter().map(|s| s.as_c_str()).collect();
     let started = spawn::spawn(
         &Command {
             path: &path,

@@ -22,11 +22,12 @@ mod spawn;
 mod terminal;
 mod tree;
 
-use std::ffi::OsString;
+use std::ffi::{CStr, CString, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use nix::sys::wait::WaitStatus;
 use nix::unistd::{AccessFlags, access};
@@ -133,6 +134,29 @@ pub struct ChildEnv {
     pub extra: Vec<(String, String)>,
     /// Variables of leaderrun's environment left out (a backend's secret).
     pub hidden: Vec<String>,
+    /// What of leaderrun's environment every child gets, made once (by the
+    /// first spawn, or while a follower waits) and shared by the clones of
+    /// this value: leaderrun's environment does not change while it runs.
+    pub inherited: InheritedEnv,
+}
+
+/// The part of a child's environment that is leaderrun's own, as C strings.
+#[derive(Debug, Clone, Default)]
+pub struct InheritedEnv(Arc<OnceLock<Vec<CString>>>);
+
+/// A child's whole environment: the inherited part and the variables set
+/// for it.
+pub struct EnvBlock {
+    inherited: Arc<OnceLock<Vec<CString>>>,
+    set: Vec<CString>,
+}
+
+impl EnvBlock {
+    /// Every entry, `NAME=value`.
+    pub fn entries(&self) -> impl Iterator<Item = &CStr> {
+        let inherited = self.inherited.get().map(Vec::as_slice).unwrap_or(&[]);
+        inherited.iter().chain(&self.set).map(CString::as_c_str)
+    }
 }
 
 /// The variable that tells a nested leaderrun which leaderrun runs it.
@@ -151,19 +175,14 @@ const NOT_INHERITED: [&str; 5] = [
 
 impl ChildEnv {
     /// leaderrun's environment, plus the token, key, owner and leaderrun's
-    /// pid, minus the backend URL and the backend's secrets, as `NAME=value`
-    /// entries.
-    pub fn entries(&self) -> Vec<Vec<u8>> {
-        let ours = |name: &[u8]| {
-            name == self.token_env.as_bytes()
-                || NOT_INHERITED.iter().any(|o| name == o.as_bytes())
-                || self.extra.iter().any(|(n, _)| name == n.as_bytes())
-                || self.hidden.iter().any(|n| name == n.as_bytes())
+    /// pid, minus the backend URL and the backend's secrets.
+    pub fn entries(&self) -> EnvBlock {
+        self.prepare();
+        let entry = |name: &str, value: &str| {
+            // Names and values from an environment or a checked flag hold
+            // no NUL; one that did would be left out, not cut short.
+            CString::new([name.as_bytes(), b"=", value.as_bytes()].concat()).ok()
         };
-        let mut entries: Vec<Vec<u8>> = std::env::vars_os()
-            .filter(|(name, _)| !ours(name.as_bytes()))
-            .map(|(name, value)| [name.as_bytes(), b"=", value.as_bytes()].concat())
-            .collect();
         let token = self.token.map(|t| t.to_string());
         let pid = std::process::id().to_string();
         let set = [
@@ -171,17 +190,38 @@ impl ChildEnv {
             ("LEADERRUN_KEY", Some(self.key.as_str())),
             ("LEADERRUN_OWNER", Some(self.owner.as_str())),
             (PARENT_ENV, Some(pid.as_str())),
-        ];
-        for (name, value) in set.into_iter().chain(
+        ]
+        .into_iter()
+        .chain(
             self.extra
                 .iter()
                 .map(|(n, v)| (n.as_str(), Some(v.as_str()))),
-        ) {
-            if let Some(value) = value {
-                entries.push([name.as_bytes(), b"=", value.as_bytes()].concat());
-            }
+        )
+        .filter_map(|(name, value)| entry(name, value?))
+        .collect();
+        EnvBlock {
+            inherited: self.inherited.0.clone(),
+            set,
         }
-        entries
+    }
+
+    /// Makes the inherited part of the environment now, if it is not made
+    /// yet: a follower does it while it waits, so a handover does not.
+    pub fn prepare(&self) {
+        self.inherited.0.get_or_init(|| {
+            let ours = |name: &[u8]| {
+                name == self.token_env.as_bytes()
+                    || NOT_INHERITED.iter().any(|o| name == o.as_bytes())
+                    || self.extra.iter().any(|(n, _)| name == n.as_bytes())
+                    || self.hidden.iter().any(|n| name == n.as_bytes())
+            };
+            std::env::vars_os()
+                .filter(|(name, _)| !ours(name.as_bytes()))
+                .filter_map(|(name, value)| {
+                    CString::new([name.as_bytes(), b"=", value.as_bytes()].concat()).ok()
+                })
+                .collect()
+        });
     }
 }
 

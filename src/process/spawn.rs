@@ -12,7 +12,7 @@
 //! *thread* that forked exits, so a child spawned from a worker or blocking
 //! thread would be killed when that thread retires.
 
-use std::ffi::{CString, OsString};
+use std::ffi::{CStr, CString, OsString};
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::RawFd;
@@ -28,7 +28,7 @@ use nix::unistd::Pid;
 pub struct Command<'a> {
     pub path: &'a Path,
     pub argv: &'a [OsString],
-    pub env: &'a [Vec<u8>],
+    pub env: &'a [&'a CStr],
 }
 
 /// How to start it.
@@ -72,20 +72,14 @@ pub fn spawn(command: &Command<'_>, options: Options) -> io::Result<Pid> {
         .iter()
         .map(|arg| cstring(arg.as_bytes()))
         .collect::<io::Result<Vec<_>>>()?;
-    let envp = command
-        .env
-        .iter()
-        .map(|pair| cstring(pair))
-        .collect::<io::Result<Vec<_>>>()?;
-    let pointers = |strings: &[CString]| -> Vec<*const libc::c_char> {
+    let pointers = |strings: &mut dyn Iterator<Item = &CStr>| -> Vec<*const libc::c_char> {
         strings
-            .iter()
             .map(|s| s.as_ptr())
             .chain(std::iter::once(std::ptr::null()))
             .collect()
     };
-    let argv_ptrs = pointers(&argv);
-    let envp_ptrs = pointers(&envp);
+    let argv_ptrs = pointers(&mut argv.iter().map(CString::as_c_str));
+    let envp_ptrs = pointers(&mut command.env.iter().copied());
     let mut setup = ChildSetup {
         path: path.as_ptr(),
         argv: argv_ptrs.as_ptr(),

@@ -99,6 +99,7 @@ impl<P: Processes> Supervisor<P> {
             if let Some((at, notices)) = next {
                 // While nothing waits for it, get the next spawn ready.
                 self.procs.prepare();
+                self.env.prepare();
                 match self.wait(at, give_up_at, notices).await {
                     Wake::Attempt => woke_at = Instant::now(),
                     Wake::Stopped => return Campaign::Stopped,

@@ -127,6 +127,7 @@ impl<P: Processes> Supervisor<P> {
             owner: spec.owner.clone(),
             extra: spec.extra_env.clone(),
             hidden: spec.hidden_env.clone(),
+            inherited: Default::default(),
         };
         Supervisor {
             spec,

@@ -250,6 +250,7 @@ impl Rig {
             owner: "me".into(),
             extra: Vec::new(),
             hidden: Vec::new(),
+            inherited: Default::default(),
         };
         let argv = ["command".into()];
         let term = driver::run(
