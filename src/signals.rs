@@ -78,6 +78,8 @@ impl Signals {
         let children =
             unsafe { AsyncFd::register_with_interest(children, tokio::io::Interest::READABLE) }
                 .map_err(std::io::Error::from)?;
+        // Every handler is in place: the children know which to set back.
+        crate::process::note_dispositions();
         Ok(Signals { children, streams })
     }
 

@@ -341,3 +341,77 @@ fn the_command_may_run_on_every_cpu_leaderrun_may() {
         assert_eq!(allowed(&out.stdout), ours, "run {run}");
     }
 }
+
+/// What leaderrun changed of its signals does not reach the command: no
+/// signal is blocked (leaderrun blocks SIGCHLD, read from a signalfd), none
+/// of its handlers is left (they go with the exec, and none may run in the
+/// child before it), and SIGPIPE, which the Rust runtime ignores, is back
+/// to its default. A signal ignored when leaderrun started stays ignored
+/// (here SIGALRM, as `nohup` does SIGHUP): that is the caller's to pass on.
+/// The baseline is the same command started without leaderrun (signals 1
+/// to 31: glibc keeps 32 and 33 for itself).
+#[test]
+fn the_command_gets_leaderruns_signals_as_leaderrun_got_them() {
+    let sandbox = Sandbox::new();
+    let status = "exec cat /proc/self/status";
+    let signals = |through_leaderrun: bool| {
+        let mut command = Command::new("sh");
+        command.arg("-c").arg("trap '' ALRM; exec \"$@\"").arg("sh");
+        if through_leaderrun {
+            command.arg(BIN).args([
+                "--backend",
+                &sandbox.backend(),
+                "--key",
+                "signals",
+                "-q",
+                "--",
+            ]);
+        }
+        let out = command
+            .args(["sh", "-c", status])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mask = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+                .unwrap_or_else(|| panic!("no {name} in {text}"))
+        };
+        let standard = |m: u64| m & 0x7fff_ffff;
+        (
+            standard(mask("SigBlk:")),
+            standard(mask("SigIgn:")),
+            standard(mask("SigCgt:")),
+        )
+    };
+    let direct = signals(false);
+    let bit = |signal: Signal| 1u64 << (signal as i32 - 1);
+    assert_eq!(
+        direct.0 & bit(Signal::SIGCHLD),
+        0,
+        "the baseline blocks SIGCHLD"
+    );
+    assert_ne!(
+        direct.1 & bit(Signal::SIGALRM),
+        0,
+        "the baseline ignores SIGALRM"
+    );
+    assert_eq!(
+        direct.1 & bit(Signal::SIGPIPE),
+        0,
+        "the baseline ignores SIGPIPE"
+    );
+    assert_eq!(
+        signals(true),
+        direct,
+        "(blocked, ignored, caught) as without leaderrun"
+    );
+}

@@ -35,6 +35,7 @@ use nix::unistd::{AccessFlags, access};
 pub use guard::{Aftermath, GUARD_ENV, Guard};
 pub use host::{Host, LeaseHost, ProcessUnit, Processes, Scope, Spawn, Unit, UnitEvent};
 pub use keeper::{KEEPER_ENV, main as keeper_main};
+pub use spawn::note_dispositions;
 pub use terminal::reclaim as reclaim_terminal;
 
 use crate::error::{CommandError, ConfigError};

@@ -18,6 +18,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use nix::sys::wait::waitpid;
@@ -88,6 +89,7 @@ pub fn spawn(command: &Command<'_>, options: Options) -> io::Result<Pid> {
         options,
         join_cgroup: None,
         affinity: None,
+        reset: RESET.get().copied(),
         errno: AtomicI32::new(0),
     };
     // The child starts on this CPU, which this thread leaves idle while it
@@ -194,6 +196,42 @@ impl Drop for PinnedToThisCpu {
     }
 }
 
+/// The signals a child sets back to their default before it execs, found
+/// once leaderrun's handlers are in place: each spawn's child then changes
+/// only those, instead of asking for every signal's disposition.
+static RESET: OnceLock<u128> = OnceLock::new();
+
+/// Notes leaderrun's signal dispositions for every later spawn. Called once
+/// its handlers are all registered (`Signals::register`); a disposition
+/// changed after it would not be set back in the children.
+pub fn note_dispositions() {
+    let _ = RESET.set(to_reset());
+}
+
+/// The signals whose disposition a child must set back to the default
+/// (bit N: signal N): every caught signal (a handler of leaderrun's must not
+/// run in the child before its exec), and SIGPIPE, which the Rust runtime
+/// ignores. Signals ignored when leaderrun started stay ignored. Only system
+/// calls: the child may call it.
+fn to_reset() -> u128 {
+    let mut reset = 0u128;
+    for signal in 1..libc::SIGRTMAX() {
+        // SAFETY: reads the disposition into a value of our own.
+        let current = unsafe {
+            let mut current: libc::sigaction = std::mem::zeroed();
+            (libc::sigaction(signal, std::ptr::null(), &mut current) == 0).then_some(current)
+        };
+        if let Some(current) = current {
+            if (current.sa_sigaction != libc::SIG_IGN || signal == libc::SIGPIPE)
+                && current.sa_sigaction != libc::SIG_DFL
+            {
+                reset |= 1 << signal;
+            }
+        }
+    }
+    reset
+}
+
 /// Stack for the cloned child until it execs; it only makes system calls.
 const CHILD_STACK: usize = 64 * 1024;
 
@@ -209,6 +247,9 @@ struct ChildSetup {
     join_cgroup: Option<RawFd>,
     /// The CPUs to give the child back (it was started pinned to one).
     affinity: Option<libc::cpu_set_t>,
+    /// The signals to set back to their default (bit N: signal N), if
+    /// known (`note_dispositions`); else the child looks at every one.
+    reset: Option<u128>,
     /// Set by the child if it cannot exec.
     errno: AtomicI32,
 }
@@ -234,12 +275,9 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         // runtime ignores. Signals ignored when leaderrun started stay ignored.
         let mut default: libc::sigaction = std::mem::zeroed();
         default.sa_sigaction = libc::SIG_DFL;
+        let reset = setup.reset.unwrap_or_else(to_reset);
         for signal in 1..libc::SIGRTMAX() {
-            let mut current: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
-                && (current.sa_sigaction != libc::SIG_IGN || signal == libc::SIGPIPE)
-                && current.sa_sigaction != libc::SIG_DFL
-            {
+            if reset & (1 << signal) != 0 {
                 libc::sigaction(signal, &default, std::ptr::null_mut());
             }
         }
