@@ -168,15 +168,7 @@ fn a_lease_handed_over_lasts_a_ttl_from_the_followers_last_keep_alive() {
                 panic!("a did not acquire");
             };
             assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
-            let waiting = {
-                let b = b.clone();
-                tokio::spawn(async move { b.notice().await })
-            };
-            let placed = Instant::now();
-            while !b.wakes_on_release() {
-                assert!(placed.elapsed() < LONG, "b never got its place in line");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            let waiting = common::waiting_in_line(&b).await;
             // Time passes since b's last keep-alive (its grant, at check).
             tokio::time::sleep(ttl / 8).await;
             let released = Instant::now();

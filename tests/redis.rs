@@ -730,20 +730,18 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
         .block_on(future)
 }
 
-/// `b` waits in line (its notice pending) until its place is taken.
-async fn in_line(
+/// `a` holds the lease (its token returned), `b` follows and waits in
+/// line.
+async fn held_and_followed(
+    a: &std::sync::Arc<dyn leaderrun::backend::LeaseStore>,
     b: &std::sync::Arc<dyn leaderrun::backend::LeaseStore>,
-) -> tokio::task::JoinHandle<()> {
-    let waiting = {
-        let b = b.clone();
-        tokio::spawn(async move { b.notice().await })
+) -> (u64, tokio::task::JoinHandle<()>) {
+    use leaderrun::backend::Attempt;
+    let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
+        panic!("a did not acquire");
     };
-    let placed = Instant::now();
-    while !b.wakes_on_release() {
-        assert!(placed.elapsed() < LONG, "b never got its place in line");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    waiting
+    assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+    (token, common::waiting_in_line(b).await)
 }
 
 /// A follower sends its acquisition behind its `BLPOP`, so Redis runs it
@@ -760,11 +758,7 @@ fn a_release_hands_the_lease_to_the_follower_without_a_request_after_it() {
     let ttl = Duration::from_secs(2);
     let [a, b, c] = handover_stores(&server, "behind", ttl);
     block_on(async {
-        let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
-            panic!("a did not acquire");
-        };
-        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
-        let waiting = in_line(&b).await;
+        let (token, waiting) = held_and_followed(&a, &b).await;
         tokio::time::sleep(ttl / 8).await;
         let released = Instant::now();
         assert!(a.release_last(token).await.unwrap());
@@ -798,13 +792,9 @@ fn a_lease_taken_in_line_that_no_term_took_is_given_up_at_exit() {
     let server = ready_server();
     let [a, b, c] = handover_stores(&server, "untaken", Duration::from_secs(2));
     block_on(async {
-        let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
-            panic!("a did not acquire");
-        };
-        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
+        let (token, b_waiting) = held_and_followed(&a, &b).await;
         assert!(matches!(c.acquire(1).await, Ok(Attempt::Held(_))));
-        let b_waiting = in_line(&b).await;
-        let c_waiting = in_line(&c).await;
+        let c_waiting = common::waiting_in_line(&c).await;
         assert!(a.release_last(token).await.unwrap());
         b_waiting.await.unwrap();
         // b's line holds the lease now; b exits without a term.
@@ -833,11 +823,7 @@ fn a_lease_taken_in_line_long_ago_is_renewed_by_a_repeated_attempt() {
     let ttl = Duration::from_secs(2);
     let [a, b, _] = handover_stores(&server, "stale", ttl);
     block_on(async {
-        let Ok(Attempt::Acquired { token }) = a.acquire(1).await else {
-            panic!("a did not acquire");
-        };
-        assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
-        let waiting = in_line(&b).await;
+        let (token, waiting) = held_and_followed(&a, &b).await;
         assert!(a.release_last(token).await.unwrap());
         waiting.await.unwrap();
         tokio::time::sleep(ttl / 2 + Duration::from_millis(100)).await;
@@ -923,7 +909,7 @@ fn an_attempt_in_line_for_a_replica_that_left_takes_nothing_and_passes_the_wake_
         });
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(matches!(b.acquire(1).await, Ok(Attempt::Held(_))));
-        let waiting = in_line(&b).await;
+        let waiting = common::waiting_in_line(&b).await;
         assert!(a.release_last(token).await.unwrap());
         let replies = ghost_turn.await.unwrap();
         assert!(

@@ -651,3 +651,23 @@ pub fn wakes_of_a_hundred_followers(
             wakes.load(Ordering::SeqCst)
         })
 }
+
+/// A follower's store waits in line (its notice pending, in a task of its
+/// own) until it has its place: a release would wake it now.
+pub async fn waiting_in_line(
+    store: &std::sync::Arc<dyn leaderrun::backend::LeaseStore>,
+) -> tokio::task::JoinHandle<()> {
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move { store.notice().await })
+    };
+    let placed = Instant::now();
+    while !store.wakes_on_release() {
+        assert!(
+            placed.elapsed() < Duration::from_secs(20),
+            "the follower never got its place in line"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    waiting
+}
