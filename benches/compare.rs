@@ -19,7 +19,9 @@
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
 //! handovers, for profiling (`LEADERRUN_BENCH_ONLY=etcd,flock`: only those
 //! tools; `LEADERRUN_BENCH_AGAINST=/path/to/leaderrun`: each leaderrun row
-//! again with that binary, interleaved, to compare two builds), and etcd's
+//! again with that binary, interleaved, to compare two builds;
+//! `LEADERRUN_BENCH_LOGS=1`: leaderrun at its default log level, its stderr a
+//! pipe that a thread of the bench reads, as a log collector would), and etcd's
 //! own floor for a handover when `etcdctl lock` is in. The children are `benches/stamp.c`, compiled here: a static C
 //! program that writes CLOCK_MONOTONIC (shared by every process on the host)
 //! as its first and last actions, so no shell start-up is counted.
@@ -708,17 +710,11 @@ impl Tool {
         let mut cmd = match &self.kind {
             Kind::Leaderrun { url, bin } => {
                 let mut cmd = Command::new(bin);
-                cmd.args([
-                    "--backend",
-                    url,
-                    "--key",
-                    key,
-                    "-q",
-                    "--ttl",
-                    &format!("{TTL_SECS}s"),
-                ])
-                .args(options)
-                .arg("--");
+                cmd.args(["--backend", url, "--key", key])
+                    .args(log_sink().is_none().then_some("-q"))
+                    .args(["--ttl", &format!("{TTL_SECS}s")])
+                    .args(options)
+                    .arg("--");
                 cmd
             }
             Kind::Etcdctl(endpoint) => {
@@ -743,8 +739,31 @@ impl Tool {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        if let (Kind::Leaderrun { .. }, Some(sink)) = (&self.kind, log_sink()) {
+            cmd.stderr(Stdio::from(sink.try_clone().expect("a log pipe")));
+        }
         cmd
     }
+}
+
+/// With `LEADERRUN_BENCH_LOGS=1`, the write end of a pipe whose lines a
+/// thread reads and drops: leaderrun's stderr, as a log collector takes it.
+fn log_sink() -> Option<&'static std::os::fd::OwnedFd> {
+    static SINK: std::sync::OnceLock<Option<std::os::fd::OwnedFd>> = std::sync::OnceLock::new();
+    SINK.get_or_init(|| {
+        if env_number("LEADERRUN_BENCH_LOGS").unwrap_or(0) == 0 {
+            return None;
+        }
+        let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).expect("a pipe");
+        std::thread::spawn(move || {
+            use std::io::Read as _;
+            let mut read = fs::File::from(read);
+            let mut buffer = [0u8; 65536];
+            while read.read(&mut buffer).is_ok_and(|n| n > 0) {}
+        });
+        Some(write)
+    })
+    .as_ref()
 }
 
 struct Bench {
