@@ -19,7 +19,9 @@
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
 //! handovers, for profiling (`LEADERRUN_BENCH_ONLY=etcd,flock`: only those
 //! tools; `LEADERRUN_BENCH_AGAINST=/path/to/leaderrun`: each leaderrun row
-//! again with that binary, interleaved, to compare two builds;
+//! again with that binary, interleaved, to compare two builds (its rows
+//! come last in each round, which costs their cycles 0.17–0.2 ms here: run
+//! it twice with the builds swapped);
 //! `LEADERRUN_BENCH_LOGS=1`: leaderrun at its default log level, its stderr a
 //! pipe that a thread of the bench reads, as a log collector would), and etcd's
 //! own floor for a handover when `etcdctl lock` is in. The children are `benches/stamp.c`, compiled here: a static C

@@ -2,8 +2,17 @@
 //!
 //! The edge of the program: parse, run, and turn the outcome into an exit
 //! status. Everything else is in the library.
+//!
+//! `main` is the C entry point, not std's: std's start-up reads
+//! /proc/self/maps to place a guard for the main thread's stack overflow
+//! message and installs SIGSEGV and SIGBUS handlers for it, which every
+//! leaderrun process (the supervisor, its guard) paid at its start, and each
+//! spawned child then had two more handlers to set back. Of what std's
+//! start-up does, leaderrun keeps SIGPIPE ignored (a write to a closed pipe
+//! is an error, not death) and fds 0–2 open (`ensure_standard_fds`); a stack
+//! overflow still kills the process, by SIGSEGV, without std's message.
 
-use std::process::ExitCode;
+#![no_main]
 
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches};
@@ -43,7 +52,17 @@ fn guard_main(setting: &std::ffi::OsStr) -> ! {
     std::process::exit(0)
 }
 
-fn main() -> ExitCode {
+#[unsafe(no_mangle)]
+extern "C" fn main(_argc: libc::c_int, _argv: *const *const libc::c_char) -> libc::c_int {
+    // SAFETY: at the start, before any thread: SIGPIPE ignored, as std's
+    // start-up would have it (the arguments are read through std::env,
+    // which has them from the C runtime).
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    // std::process::exit flushes stdout, as returning from std's main does.
+    std::process::exit(leaderrun_main().into())
+}
+
+fn leaderrun_main() -> u8 {
     // This binary is also each term's keeper, where cgroups cannot be had.
     if let Some(setting) = std::env::var_os(KEEPER_ENV) {
         keeper_main(&setting.to_string_lossy());
@@ -55,7 +74,7 @@ fn main() -> ExitCode {
     // Before any thread starts: SIGCHLD is read from a signalfd.
     if let Err(e) = leaderrun::signals::block_child_signal() {
         eprintln!("leaderrun: error: cannot block SIGCHLD: {e}");
-        return ExitCode::from(Exit::INTERNAL);
+        return Exit::INTERNAL;
     }
     ensure_standard_fds();
     std::panic::set_hook(Box::new(|info| {
@@ -87,7 +106,7 @@ fn main() -> ExitCode {
         None => run::run(cli.run, key_source),
     };
     match result {
-        Ok(exit) => exit.into(),
+        Ok(exit) => exit.code(),
         Err(failure) => {
             let kind = if failure.exit_code() == Exit::INTERNAL {
                 "internal error"
@@ -95,14 +114,14 @@ fn main() -> ExitCode {
                 "error"
             };
             eprintln!("leaderrun: {kind}: {failure:#}");
-            ExitCode::from(failure.exit_code())
+            failure.exit_code()
         }
     }
 }
 
 /// clap's errors in leaderrun's own style (`leaderrun: error: …`), with a
 /// hint for the most common mistake: a command without `--` before it.
-fn usage_error(error: clap::Error) -> ExitCode {
+fn usage_error(error: clap::Error) -> u8 {
     use clap::error::ErrorKind;
     if matches!(
         error.kind(),
@@ -119,7 +138,7 @@ fn usage_error(error: clap::Error) -> ExitCode {
             "\nleaderrun: hint: put the command after `--`, as in: leaderrun --key KEY -- COMMAND [ARGS]..."
         );
     }
-    ExitCode::from(Exit::USAGE)
+    Exit::USAGE
 }
 
 /// Opens /dev/null on any of fds 0–2 that is closed, so no file leaderrun
