@@ -11,8 +11,11 @@
 //! start-up does, leaderrun keeps SIGPIPE ignored (a write to a closed pipe
 //! is an error, not death) and fds 0–2 open (`ensure_standard_fds`); a stack
 //! overflow still kills the process, by SIGSEGV, without std's message.
+//! Only with glibc, which hands the arguments to std (`std::env::args`, that
+//! clap and the guard read) from its own start-up; elsewhere (musl) std's
+//! `main` stays, as std needs it for them.
 
-#![no_main]
+#![cfg_attr(target_env = "gnu", no_main)]
 
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches};
@@ -52,6 +55,7 @@ fn guard_main(setting: &std::ffi::OsStr) -> ! {
     std::process::exit(0)
 }
 
+#[cfg(target_env = "gnu")]
 #[unsafe(no_mangle)]
 extern "C" fn main(_argc: libc::c_int, _argv: *const *const libc::c_char) -> libc::c_int {
     // SAFETY: at the start, before any thread: SIGPIPE ignored, as std's
@@ -59,6 +63,11 @@ extern "C" fn main(_argc: libc::c_int, _argv: *const *const libc::c_char) -> lib
     // which has them from the C runtime).
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     // std::process::exit flushes stdout, as returning from std's main does.
+    std::process::exit(leaderrun_main().into())
+}
+
+#[cfg(not(target_env = "gnu"))]
+fn main() {
     std::process::exit(leaderrun_main().into())
 }
 
