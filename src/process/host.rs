@@ -199,7 +199,7 @@ impl Processes for Rc<Host> {
 
     async fn spawn(&self, what: Spawn<'_>) -> io::Result<Unit> {
         let take_terminal = what.terminal && what.stdout.is_none() && terminal::is_ours();
-        let block = what.env.entries();
+        let block = what.env.block();
         let env: Vec<&std::ffi::CStr> = block.entries().collect();
         let command = Command {
             path: what.program,

@@ -15,7 +15,7 @@
 use std::ffi::OsString;
 use std::io::{self, Read as _, Write as _};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStringExt;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream as StdStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -30,7 +30,7 @@ use tokio::io::AsyncReadExt as _;
 use tokio::net::UnixStream;
 
 use super::spawn::{self, Command, Options};
-use super::{exit_code, terminal, tree};
+use super::{env_entry, exit_code, terminal, tree};
 
 /// The variable that puts leaderrun's binary in keeper mode:
 /// `<socket fd>:<take the terminal 0|1>`.
@@ -236,12 +236,7 @@ fn run(setting: &str) -> io::Result<()> {
     let argv: Vec<OsString> = args.collect();
     let owned: Vec<std::ffi::CString> = std::env::vars_os()
         .filter(|(name, _)| name != KEEPER_ENV)
-        .filter_map(|(name, value)| {
-            let mut pair = name.into_vec();
-            pair.push(b'=');
-            pair.extend(value.into_vec());
-            std::ffi::CString::new(pair).ok()
-        })
+        .filter_map(|(name, value)| env_entry(name.as_bytes(), value.as_bytes()))
         .collect();
     let env: Vec<&std::ffi::CStr> = owned.iter().map(|s| s.as_c_str()).collect();
     let started = spawn::spawn(

@@ -177,13 +177,8 @@ const NOT_INHERITED: [&str; 5] = [
 impl ChildEnv {
     /// leaderrun's environment, plus the token, key, owner and leaderrun's
     /// pid, minus the backend URL and the backend's secrets.
-    pub fn entries(&self) -> EnvBlock {
+    pub fn block(&self) -> EnvBlock {
         self.prepare();
-        let entry = |name: &str, value: &str| {
-            // Names and values from an environment or a checked flag hold
-            // no NUL; one that did would be left out, not cut short.
-            CString::new([name.as_bytes(), b"=", value.as_bytes()].concat()).ok()
-        };
         let token = self.token.map(|t| t.to_string());
         let pid = std::process::id().to_string();
         let set = [
@@ -198,7 +193,7 @@ impl ChildEnv {
                 .iter()
                 .map(|(n, v)| (n.as_str(), Some(v.as_str()))),
         )
-        .filter_map(|(name, value)| entry(name, value?))
+        .filter_map(|(name, value)| env_entry(name.as_bytes(), value?.as_bytes()))
         .collect();
         EnvBlock {
             inherited: self.inherited.0.clone(),
@@ -218,12 +213,16 @@ impl ChildEnv {
             };
             std::env::vars_os()
                 .filter(|(name, _)| !ours(name.as_bytes()))
-                .filter_map(|(name, value)| {
-                    CString::new([name.as_bytes(), b"=", value.as_bytes()].concat()).ok()
-                })
+                .filter_map(|(name, value)| env_entry(name.as_bytes(), value.as_bytes()))
                 .collect()
         });
     }
+}
+
+/// `NAME=value` as a C string. Names and values from an environment or a
+/// checked flag hold no NUL; one that did is left out (None), not cut short.
+fn env_entry(name: &[u8], value: &[u8]) -> Option<CString> {
+    CString::new([name, b"=", value].concat()).ok()
 }
 
 /// How units of processes are contained (README "The child").

@@ -210,8 +210,8 @@ pub fn note_dispositions() {
 
 /// The signals whose disposition a child must set back to the default
 /// (bit N: signal N): every caught signal (a handler of leaderrun's must not
-/// run in the child before its exec), and SIGPIPE, which the Rust runtime
-/// ignores. Signals ignored when leaderrun started stay ignored. Only system
+/// run in the child before its exec), and SIGPIPE, which leaderrun ignores
+/// (as std's start-up does; main.rs). Signals ignored when leaderrun started stay ignored. Only system
 /// calls: the child may call it.
 fn to_reset() -> u128 {
     let mut reset = 0u128;
@@ -271,8 +271,9 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         };
         // Handlers of leaderrun's (tokio's signal pipe) must not run here, and
         // dispositions it changed must not reach the command: every caught
-        // signal goes back to its default, and so does SIGPIPE, which the Rust
-        // runtime ignores. Signals ignored when leaderrun started stay ignored.
+        // signal goes back to its default, and so does SIGPIPE, which
+        // leaderrun ignores. Signals ignored when leaderrun started stay
+        // ignored (`to_reset`).
         let mut default: libc::sigaction = std::mem::zeroed();
         default.sa_sigaction = libc::SIG_DFL;
         let reset = setup.reset.unwrap_or_else(to_reset);

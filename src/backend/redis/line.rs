@@ -28,7 +28,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::acquisition::{Acquirer, Answer, Reply};
+use super::acquisition::{Acquirer, Answer, Reply, Request};
 use super::connection::{Conn, Target};
 use crate::backend::Attempt;
 
@@ -260,36 +260,10 @@ async fn turn(
     };
     let popped = replies.next();
     if let (Some((acquirer, attempt, request)), Some(reply)) = (behind, replies.next()) {
-        match reply {
-            Value::ServerError(error) if error.code() == "NOSCRIPT" => {
-                // The server forgot the script (a restart of its cache):
-                // load it for the next turn.
-                let _ = acquirer.script.load_async(connection).await;
-            }
-            Value::ServerError(error) => {
-                // The campaign's own attempt meets it too, and says so.
-                tracing::debug!(error = %error.details().unwrap_or(error.code()), "an attempt behind the line failed");
-            }
-            reply => match redis::from_redis_value::<Reply>(reply) {
-                Ok(reply) => match acquirer.answer(reply, &request) {
-                    Ok(Answer::Attempt(answer)) => {
-                        let acquired = matches!(answer, Attempt::Acquired { .. });
-                        acquirer.keep(attempt, sent_at, answer);
-                        if acquired {
-                            line.armed.store(false, Ordering::SeqCst);
-                            line.woken.notify_one();
-                        }
-                    }
-                    Ok(Answer::Declined) => {}
-                    Err(fatal) => {
-                        tracing::debug!(error = %fatal, "an attempt behind the line was refused")
-                    }
-                },
-                Err(error) => {
-                    tracing::debug!(error = %error, "an attempt behind the line answered oddly")
-                }
-            },
-        }
+        take_answer(
+            line, connection, acquirer, attempt, &request, sent_at, reply,
+        )
+        .await;
     }
     match popped {
         Some(Value::Nil) => Turn {
@@ -318,5 +292,50 @@ async fn turn(
             failed: true,
             whole_seconds: false,
         },
+    }
+}
+
+/// Reads the reply to the attempt sent behind the `BLPOP` at `sent_at`:
+/// its answer is kept for the campaign, which an acquisition wakes.
+async fn take_answer(
+    line: &Line,
+    connection: &mut Conn,
+    acquirer: &Acquirer,
+    attempt: u64,
+    request: &Request,
+    sent_at: Instant,
+    reply: Value,
+) {
+    let reply = match reply {
+        Value::ServerError(error) if error.code() == "NOSCRIPT" => {
+            // The server forgot the script (a restart of its cache): load it
+            // for the next turn.
+            let _ = acquirer.script.load_async(connection).await;
+            return;
+        }
+        Value::ServerError(error) => {
+            // The campaign's own attempt meets it too, and says so.
+            tracing::debug!(error = %error.details().unwrap_or(error.code()), "an attempt behind the line failed");
+            return;
+        }
+        reply => redis::from_redis_value::<Reply>(reply),
+    };
+    let answer = match reply.map(|reply| acquirer.answer(reply, request)) {
+        Ok(Ok(Answer::Attempt(answer))) => answer,
+        Ok(Ok(Answer::Declined)) => return,
+        Ok(Err(fatal)) => {
+            tracing::debug!(error = %fatal, "an attempt behind the line was refused");
+            return;
+        }
+        Err(error) => {
+            tracing::debug!(error = %error, "an attempt behind the line answered oddly");
+            return;
+        }
+    };
+    let acquired = matches!(answer, Attempt::Acquired { .. });
+    acquirer.keep(attempt, sent_at, answer);
+    if acquired {
+        line.armed.store(false, Ordering::SeqCst);
+        line.woken.notify_one();
     }
 }
