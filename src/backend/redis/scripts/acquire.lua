@@ -77,6 +77,7 @@ if current then
 end
 local run_id = ''
 local now_replid = nil
+local known = nil
 if not mine then
   -- Free: only now does the server's history matter.
   if ARGV[12] == '1' then
@@ -99,7 +100,7 @@ if not mine then
   if held > 0 then
     return follow({6, 0, run_id, held}, true)
   end
-  local known = redis.call('GET', KEYS[5])
+  known = redis.call('GET', KEYS[5])
   now_replid = replid()
   if known and known ~= now_replid then
     redis.call('SET', KEYS[5], now_replid)
@@ -129,5 +130,9 @@ end
 local token = string.format('%d', counter + 1)
 redis.call('SET', KEYS[2], token)
 redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1] .. '/' .. ARGV[2] .. ' ' .. ARGV[3], 'PX', ARGV[4])
-redis.call('SET', KEYS[5], now_replid or replid())
+-- The history the lease is written on: left as it is when it was found
+-- equal (an earlier term of this replica's did not look).
+if mine or not known then
+  redis.call('SET', KEYS[5], now_replid or replid())
+end
 return {1, counter + 1, run_id, tonumber(ARGV[4])}

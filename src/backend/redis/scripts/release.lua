@@ -11,12 +11,12 @@ local current = redis.call('GET', KEYS[1])
 if current then
   local token, instance = parse_lease(current)
   if instance == ARGV[1] and token == ARGV[2] then
-    redis.call('DEL', KEYS[1])
+    -- The lease, and any wake left in line: one wake, for the follower
+    -- first in line, never more than one.
+    redis.call('DEL', KEYS[1], KEYS[3])
     -- A lease gone with this mark was released, not lost: followers that
     -- knew its expiry need not wait for it.
     redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
-    -- One wake, for the follower first in line; never more than one.
-    redis.call('DEL', KEYS[3])
     redis.call('RPUSH', KEYS[3], token)
     redis.call('PEXPIRE', KEYS[3], ARGV[3])
     return 1

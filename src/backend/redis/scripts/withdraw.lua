@@ -8,9 +8,8 @@ local current = redis.call('GET', KEYS[2])
 if current then
   local token, instance = parse_lease(current)
   if instance == ARGV[1] then
-    redis.call('DEL', KEYS[2])
+    redis.call('DEL', KEYS[2], KEYS[3])
     redis.call('SET', KEYS[4], token, 'PX', ARGV[2])
-    redis.call('DEL', KEYS[3])
     redis.call('RPUSH', KEYS[3], token)
     redis.call('PEXPIRE', KEYS[3], ARGV[2])
   end
