@@ -69,6 +69,38 @@ fn an_operator_deleting_the_lease_makes_the_leader_yield_and_campaign_again() {
     assert_eq!(leader.wait(LONG), Some(0));
 }
 
+#[test]
+fn a_program_that_exited_is_reaped_once_its_term_is_over() {
+    // Its status is taken at once, but the reaping waits for the end of the
+    // term (after the release): the zombie must not outlive the term.
+    let sandbox = Sandbox::new();
+    let mut leader = sandbox
+        .leaderrun("reaped")
+        .sh("echo $$ >> pids; trap 'exit 0' TERM; while :; do sleep 0.02; done")
+        .spawn();
+    assert!(wait_until(LONG, || sandbox.lines("pids").len() == 1));
+    let first = sandbox.lines("pids")[0].clone();
+    for entry in std::fs::read_dir(sandbox.state_dir()).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    // The term is lost, its program exits, and the next term's runs on:
+    // no other child of leaderrun's ends, so nothing but the end of the
+    // first term reaps the first program.
+    assert!(
+        wait_until(LONG, || sandbox.lines("pids").len() == 2),
+        "{}",
+        leader.stderr()
+    );
+    assert!(
+        wait_until(LONG, || !std::path::Path::new(&format!("/proc/{first}"))
+            .exists()),
+        "the first program is left: {}",
+        std::fs::read_to_string(format!("/proc/{first}/stat")).unwrap_or_default()
+    );
+    leader.signal(Signal::SIGTERM);
+    assert_eq!(leader.wait(LONG), Some(0));
+}
+
 /// A pseudo-terminal whose slave side is leaderrun's controlling terminal,
 /// with everything written to it collected in the background.
 struct Terminal {
