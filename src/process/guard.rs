@@ -111,7 +111,12 @@ impl Board {
             nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
         )?;
         nix::unistd::ftruncate(&fd, Self::bytes(leases) as libc::off_t)?;
-        Self::map(fd, leases)
+        let board = Self::map(fd, leases)?;
+        // The first page (the table lengths, the first terms and slots) is
+        // made now: made by a term's first write, it cost a follower's
+        // handover a page fault on its way to the spawn.
+        board.words.words()[0].store(0, Ordering::SeqCst);
+        Ok(board)
     }
 
     fn size(leases: usize) -> usize {

@@ -216,6 +216,7 @@ impl Processes for Rc<Host> {
         if let Containment::Cgroup(cgroups) = &self.containment {
             cgroups.prepare();
         }
+        spawn::prepare();
     }
 
     fn term(&self, token: Option<u64>) {

@@ -12,6 +12,7 @@
 //! *thread* that forked exits, so a child spawned from a worker or blocking
 //! thread would be killed when that thread retires.
 
+use std::cell::Cell;
 use std::ffi::{CStr, CString, OsString};
 use std::io;
 use std::mem::MaybeUninit;
@@ -101,14 +102,16 @@ pub fn spawn(command: &Command<'_>, options: Options) -> io::Result<Pid> {
     setup.affinity = pinned.as_ref().map(|pinned| pinned.saved);
     // 16-byte aligned, as both ABIs want the stack at a call. Not zeroed:
     // the child writes what it reads, and zeroing 64 kB cost every spawn 16
-    // page faults for the few hundred bytes the child uses.
-    let mut stack: Vec<MaybeUninit<u128>> = Vec::with_capacity(CHILD_STACK / 16);
+    // page faults for the few hundred bytes the child uses. Kept from one
+    // spawn to the next: a new one cost a handover a grown heap (a brk) and
+    // two page faults on the way to the clone.
+    let mut stack = Stack::take();
     // SAFETY: the stack and `setup` outlive the child's use of them: with
     // CLONE_VFORK this thread is suspended until the child has exec'd or
     // exited. All signals are blocked across the clone so that no handler of
     // leaderrun's runs on the child's borrowed stack before it resets them.
     let pid = unsafe {
-        let base = stack.as_mut_ptr().cast::<u8>();
+        let base = stack.0.as_mut_ptr().cast::<u8>();
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut saved: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
@@ -234,6 +237,42 @@ fn to_reset() -> u128 {
 
 /// Stack for the cloned child until it execs; it only makes system calls.
 const CHILD_STACK: usize = 64 * 1024;
+
+thread_local! {
+    /// The children's stack, kept for the next spawn on this thread.
+    static STACK: Cell<Vec<MaybeUninit<u128>>> = const { Cell::new(Vec::new()) };
+}
+
+/// A child's stack (`CHILD_STACK` bytes), given back for the next spawn
+/// however this one ends.
+struct Stack(Vec<MaybeUninit<u128>>);
+
+impl Stack {
+    fn take() -> Stack {
+        let mut words = STACK.take();
+        words.reserve_exact(CHILD_STACK / 16);
+        Stack(words)
+    }
+}
+
+/// Makes this thread's next child stack now, its top pages (where the
+/// child's frames go) included: a follower does it while it waits, as made
+/// on the way to a handover's exec it cost a grown heap and page faults.
+pub fn prepare() {
+    let mut stack = Stack::take();
+    let base = stack.0.as_mut_ptr().cast::<u8>();
+    for page in 1..=2 {
+        // SAFETY: within the stack's CHILD_STACK bytes; a byte of memory
+        // that holds no value yet, written so that its page is made.
+        unsafe { std::ptr::write_volatile(base.add(CHILD_STACK - page * 4096), 0) };
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        STACK.set(std::mem::take(&mut self.0));
+    }
+}
 
 /// What the cloned child reads (and, on failure, writes) in shared memory.
 struct ChildSetup {
