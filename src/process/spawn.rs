@@ -214,8 +214,8 @@ pub fn note_dispositions() {
 /// The signals whose disposition a child must set back to the default
 /// (bit N: signal N): every caught signal (a handler of leaderrun's must not
 /// run in the child before its exec), and SIGPIPE, which leaderrun ignores
-/// (as std's start-up does; main.rs). Signals ignored when leaderrun started stay ignored. Only system
-/// calls: the child may call it.
+/// (as std's start-up does; main.rs). Signals ignored when leaderrun started
+/// stay ignored. Only system calls: the child may call it.
 fn to_reset() -> u128 {
     let mut reset = 0u128;
     for signal in 1..libc::SIGRTMAX() {
@@ -255,6 +255,12 @@ impl Stack {
     }
 }
 
+impl Drop for Stack {
+    fn drop(&mut self) {
+        STACK.set(std::mem::take(&mut self.0));
+    }
+}
+
 /// Makes this thread's next child stack now, its top pages (where the
 /// child's frames go) included: a follower does it while it waits, as made
 /// on the way to a handover's exec it cost a grown heap and page faults.
@@ -265,12 +271,6 @@ pub fn prepare() {
         // SAFETY: within the stack's CHILD_STACK bytes; a byte of memory
         // that holds no value yet, written so that its page is made.
         unsafe { std::ptr::write_volatile(base.add(CHILD_STACK - page * 4096), 0) };
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        STACK.set(std::mem::take(&mut self.0));
     }
 }
 
