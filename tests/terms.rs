@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::{Sandbox, alive, ensure_dead, wait_dead, wait_until};
 use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 
 const LONG: Duration = Duration::from_secs(15);
 
@@ -232,6 +233,108 @@ fn kill_9_of_leaderrun_kills_a_setsid_grandchild_that_ignores_term_with_cgroups(
         return;
     }
     kill_9_leaves_nothing_behind("cgroup");
+}
+
+/// The cgroup a process is in, as a path under the cgroup2 mount.
+fn cgroup_of(pid: Pid) -> std::path::PathBuf {
+    let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let relative = own
+        .lines()
+        .find_map(|line| line.strip_prefix("0::"))
+        .unwrap();
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mount = mountinfo
+        .lines()
+        .find(|line| {
+            line.split(" - ")
+                .nth(1)
+                .is_some_and(|fs| fs.starts_with("cgroup2 "))
+        })
+        .and_then(|line| line.split(' ').nth(4))
+        .unwrap();
+    std::path::Path::new(mount).join(relative.trim_start_matches('/'))
+}
+
+/// The guard process of the leaderrun `pid`.
+fn guard_of(pid: Pid) -> Pid {
+    let found = std::fs::read_dir("/proc").unwrap().find_map(|entry| {
+        let stat = std::fs::read_to_string(entry.ok()?.path().join("stat")).ok()?;
+        let (head, rest) = stat.rsplit_once(')')?;
+        let (own, comm) = head.split_once(" (")?;
+        let parent: i32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+        (comm == "leaderrun-guard" && parent == pid.as_raw()).then(|| own.parse().ok())?
+    });
+    Pid::from_raw(found.expect("leaderrun runs a guard"))
+}
+
+/// `kill -9` of leaderrun and its guard together leaves the term's empty
+/// cgroup behind; the next leaderrun in that cgroup removes it, a second
+/// after it starts. Not a leftover that still holds a process (nothing is
+/// killed), nor the cgroup of a leaderrun that lives.
+#[test]
+fn the_next_leaderrun_removes_the_empty_cgroup_a_killed_leaderrun_and_guard_left() {
+    if !common::cgroups_writable() {
+        eprintln!("no writable cgroup2 here: no cgroup is ever left");
+        return;
+    }
+    let sandbox = Sandbox::new();
+    let leader = sandbox
+        .leaderrun("stale-cgroup")
+        .args(["--containment", "cgroup"])
+        .sh("echo $$ > child.pid; exec sleep 30")
+        .spawn();
+    let child = sandbox.wait_pid("child.pid");
+    let left = cgroup_of(child);
+    let parent = left.parent().unwrap().to_owned();
+    let guard = guard_of(leader.pid());
+    nix::sys::signal::kill(guard, Signal::SIGKILL).unwrap();
+    leader.signal(Signal::SIGKILL);
+    let child_gone = wait_dead(child, Duration::from_secs(5));
+    ensure_dead(child);
+    assert!(child_gone.is_some(), "the child outlived leaderrun");
+    assert!(wait_dead(guard, Duration::from_secs(5)).is_some());
+    assert!(
+        left.is_dir(),
+        "nobody was left to remove {}",
+        left.display()
+    );
+
+    // A leftover with a process in it, and the empty cgroup of a live one.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let busy = parent.join(format!("leaderrun-{dead}-u7"));
+    let live = parent.join(format!("leaderrun-{}-u1", sleeper.id()));
+    std::fs::create_dir(&busy).unwrap();
+    std::fs::create_dir(&live).unwrap();
+    std::fs::write(busy.join("cgroup.procs"), sleeper.id().to_string()).unwrap();
+
+    let mut next = sandbox
+        .leaderrun("stale-cgroup-next")
+        .args(["--containment", "cgroup"])
+        .sh("sleep 5")
+        .spawn();
+    let removed = wait_until(Duration::from_secs(4), || !left.exists());
+    let busy_kept = busy.is_dir();
+    let live_kept = live.is_dir();
+    let sleeper_ran = sleeper.try_wait().unwrap().is_none();
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    let _ = std::fs::remove_dir(&live);
+    wait_until(Duration::from_secs(5), || {
+        std::fs::remove_dir(&busy).is_ok()
+    });
+    next.signal(Signal::SIGTERM);
+    let _ = next.wait(LONG);
+    let _ = std::fs::remove_dir(&left);
+    assert!(removed, "{} was left", left.display());
+    assert!(busy_kept, "a leftover with a process in it was removed");
+    assert!(sleeper_ran, "a process in a leftover was killed");
+    assert!(live_kept, "the cgroup of a live leaderrun was removed");
 }
 
 #[test]

@@ -9,6 +9,7 @@
 //! against a fork; `cgroup.events` says when nothing is left. No controller
 //! is enabled: the cgroups only count and kill.
 
+use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read as _, Write as _};
 use std::os::fd::AsRawFd;
@@ -23,6 +24,7 @@ use nix::sys::statfs::{CGROUP2_SUPER_MAGIC, statfs};
 use nix::unistd::Pid;
 
 use super::spawn::CgroupFds;
+use super::tree::alive;
 
 /// This leaderrun's directory of unit cgroups.
 #[derive(Debug, Clone)]
@@ -166,6 +168,54 @@ pub fn kill_and_remove(parent: &Path, prefix: &str, give_up: std::time::Instant)
         let _ = fs::remove_dir(unit);
     }
     emptied
+}
+
+/// Removes the empty unit cgroups under `parent` that leaderruns gone
+/// together with their guards left behind (a `kill -9` of both, the OOM
+/// killer taking a whole group): those named `leaderrun-<pid>-u<n>`, other
+/// than `own_prefix`'s, whose pid is no live process (a zombie is none)
+/// and none of this cgroup's.
+/// One with processes in it stays as it is (`rmdir` refuses it, and
+/// nothing is killed), and nothing is removed while this cgroup holds a
+/// process of another pid namespace, whose pids mean nothing here.
+pub fn remove_stale(parent: &Path, own_prefix: &str) {
+    let members = || -> Option<HashSet<i32>> {
+        let text = fs::read_to_string(parent.join("cgroup.procs")).ok()?;
+        let pids: HashSet<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        // Another namespace's processes are listed as pid 0.
+        (!pids.contains(&0)).then_some(pids)
+    };
+    let Some(members_before) = members() else {
+        return;
+    };
+    let Ok(entries) = fs::read_dir(parent) else {
+        return;
+    };
+    let stale: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .filter(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            !name.starts_with(own_prefix)
+                && unit_owner(&name)
+                    .is_some_and(|pid| !members_before.contains(&pid) && !alive(pid))
+        })
+        .map(|entry| entry.path())
+        .collect();
+    // A leaderrun of another pid namespace may have started meanwhile.
+    if stale.is_empty() || members().is_none() {
+        return;
+    }
+    for unit in stale {
+        let _ = fs::remove_dir(unit);
+    }
+}
+
+/// The pid in a unit cgroup's name, `leaderrun-<pid>-u<n>`.
+fn unit_owner(name: &str) -> Option<i32> {
+    let (pid, unit) = name.strip_prefix("leaderrun-")?.split_once('-')?;
+    unit.strip_prefix('u')?.parse::<u64>().ok()?;
+    pid.parse().ok().filter(|&pid| pid > 0)
 }
 
 /// The cgroup of one unit of processes.

@@ -50,11 +50,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::mman::{MapFlags, ProtFlags};
-use nix::sys::signal::kill;
 use nix::unistd::Pid;
 
 use super::cgroup;
+use super::tree::alive;
 use crate::backend::{Identity, LeaseStore};
 
 /// Set in the environment of the guard's exec: what it stands in for.
@@ -572,6 +573,15 @@ fn until_end_of_file(pipe: RawFd) {
     }
 }
 
+/// Whether `pipe`'s read end is readable (or failed, or hung up) within
+/// `ms` milliseconds.
+fn readable_within(pipe: RawFd, ms: u16) -> bool {
+    // SAFETY: the guard's own descriptor, open for its whole life.
+    let pipe = unsafe { std::os::fd::BorrowedFd::borrow_raw(pipe) };
+    let mut fds = [PollFd::new(pipe, PollFlags::POLLIN)];
+    !matches!(poll(&mut fds, PollTimeout::from(ms)), Ok(0))
+}
+
 /// What the guard and the keeper of leaderrun's memory ignore (the guard
 /// through its exec): the terminal's signals, and those an operator sends
 /// to leaderrun's process group.
@@ -609,6 +619,13 @@ impl Aftermath {
         let fd = unsafe { OwnedFd::from_raw_fd(setting.board) };
         let board = Board::map(fd, setting.leases).ok()?;
         let words = board.words;
+        if let Some((parent, prefix)) = &setting.cgroups {
+            // A second on, with leaderrun still running (a shorter run
+            // leaves it to the next), off its way to a first term.
+            if !readable_within(setting.reader, 1000) {
+                cgroup::remove_stale(parent, prefix);
+            }
+        }
         until_end_of_file(setting.reader);
         // leaderrun is gone: nothing of its terms may run on.
         for pgid in words.groups().listed() {
@@ -708,19 +725,6 @@ impl Aftermath {
         });
         runtime.shutdown_background();
     }
-}
-
-/// Whether `pid` is a live process (not gone, not a zombie).
-fn alive(pid: i32) -> bool {
-    if kill(Pid::from_raw(pid), None).is_err() {
-        return false;
-    }
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        let state = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next());
-        !matches!(state, Some("Z") | Some("X") | None)
-    })
 }
 
 /// Closes every descriptor above 2 but those in `kept` (sorted): one

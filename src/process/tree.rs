@@ -1,7 +1,22 @@
 //! The process tree, from a scan of /proc (the per-task `children` files are
 //! not compiled into every kernel).
 
+use nix::errno::Errno;
+use nix::sys::signal::kill;
 use nix::unistd::Pid;
+
+/// Whether `pid` is a live process (there, and not a zombie).
+pub fn alive(pid: i32) -> bool {
+    if kill(Pid::from_raw(pid), None) == Err(Errno::ESRCH) {
+        return false;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next());
+        !matches!(state, Some("Z") | Some("X") | None)
+    })
+}
 
 /// Every living descendant of `root`.
 pub fn descendants(root: Pid) -> Vec<Pid> {
