@@ -26,6 +26,9 @@ use nix::unistd::Pid;
 use super::spawn::CgroupFds;
 use super::tree::alive;
 
+/// How every unit cgroup's name starts: `leaderrun-<pid>-u<n>`.
+const UNIT_NAME: &str = "leaderrun-";
+
 /// This leaderrun's directory of unit cgroups.
 #[derive(Debug, Clone)]
 pub struct Cgroups {
@@ -64,7 +67,7 @@ impl Cgroups {
             .ok_or("no cgroup2 hierarchy is mounted")?;
         let cgroups = Cgroups {
             parent,
-            prefix: format!("leaderrun-{}-", std::process::id()),
+            prefix: format!("{UNIT_NAME}{}-", std::process::id()),
             next_id: Arc::new(AtomicU64::new(1)),
             prepared: Arc::default(),
         };
@@ -213,7 +216,7 @@ pub fn remove_stale(parent: &Path, own_prefix: &str) {
 
 /// The pid in a unit cgroup's name, `leaderrun-<pid>-u<n>`.
 fn unit_owner(name: &str) -> Option<i32> {
-    let (pid, unit) = name.strip_prefix("leaderrun-")?.split_once('-')?;
+    let (pid, unit) = name.strip_prefix(UNIT_NAME)?.split_once('-')?;
     unit.strip_prefix('u')?.parse::<u64>().ok()?;
     pid.parse().ok().filter(|&pid| pid > 0)
 }

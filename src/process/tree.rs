@@ -7,15 +7,20 @@ use nix::unistd::Pid;
 
 /// Whether `pid` is a live process (there, and not a zombie).
 pub fn alive(pid: i32) -> bool {
-    if kill(Pid::from_raw(pid), None) == Err(Errno::ESRCH) {
-        return false;
+    kill(Pid::from_raw(pid), None) != Err(Errno::ESRCH) && living_parent(pid).is_some()
+}
+
+/// The parent of `pid` if it is a live process (not a zombie), from
+/// `/proc/<pid>/stat`: "pid (comm) state ppid ...", where comm may hold
+/// spaces and parentheses.
+fn living_parent(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?;
+    if state == "Z" || state == "X" {
+        return None;
     }
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        let state = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next());
-        !matches!(state, Some("Z") | Some("X") | None)
-    })
+    fields.next()?.parse().ok()
 }
 
 /// Every living descendant of `root`.
@@ -26,16 +31,7 @@ pub fn descendants(root: Pid) -> Vec<Pid> {
     let parents: Vec<(i32, i32)> = entries
         .filter_map(|entry| {
             let pid: i32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-            let after_comm = &stat[stat.rfind(')')? + 1..];
-            let mut fields = after_comm.split_whitespace();
-            let state = fields.next()?;
-            if state == "Z" || state == "X" {
-                return None;
-            }
-            let ppid = fields.next()?.parse().ok()?;
-            Some((pid, ppid))
+            Some((pid, living_parent(pid)?))
         })
         .collect();
     let mut found = Vec::new();
