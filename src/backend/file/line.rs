@@ -8,6 +8,7 @@
 //! known expiry, so a stuck head slows handover to that, never stops it.
 
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 
@@ -31,6 +32,9 @@ struct Place {
     queuing: bool,
     /// The line thread holds the line byte: this replica is the head.
     head: bool,
+    /// How many times the replica left the line: a head gives the byte up
+    /// even if it follows again before its thread sees it had left.
+    left: u64,
 }
 
 impl Line {
@@ -72,6 +76,7 @@ impl Line {
         let mut place = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if place.following {
             place.following = false;
+            place.left += 1;
             self.changed.notify_all();
         }
     }
@@ -91,7 +96,7 @@ impl Line {
                 .open_lease_file()
                 .and_then(|file| lock::lock_waiting(&file, LINE_AT).map(|()| file));
             let mut place = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let Ok(_turn) = turn.inspect_err(|e| {
+            let Ok(turn) = turn.inspect_err(|e| {
                 warn!(error = %e, "cannot queue for the lease; watching it directly");
             }) else {
                 place.head = true;
@@ -101,12 +106,35 @@ impl Line {
             if place.following {
                 place.head = true;
                 self.head.notify_one();
-                while place.following {
+                let left = place.left;
+                while place.following && place.left == left {
                     place = self.changed.wait(place).unwrap_or_else(|e| e.into_inner());
                 }
                 place.head = false;
+                drop(place);
+                hand_on(&turn);
             }
-            // Dropping `_turn` closes it and gives the byte to the next.
+            // Dropping `turn` closes it and gives the byte to the next.
         }
+    }
+}
+
+/// How long a head that left waits for the next follower to take the line
+/// byte before it may queue again.
+const HAND_ON: Duration = Duration::from_millis(20);
+
+/// Gives the line byte to the next follower: the kernel wakes every waiter
+/// at the unlock and the first to run takes it, which may be this replica's
+/// own thread queuing again at once (a replica passing on a wake it cannot
+/// use rejoins the line right after). It waits until another holds the
+/// byte, so it queues behind them.
+fn hand_on(turn: &std::fs::File) {
+    lock::unlock(turn, LINE_AT);
+    let until = Instant::now() + HAND_ON;
+    while Instant::now() < until {
+        if !matches!(lock::held_elsewhere(turn, LINE_AT), Ok(false)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(500));
     }
 }
