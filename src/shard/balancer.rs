@@ -53,6 +53,7 @@ impl Balancer {
     /// gone and takes the shard.
     pub async fn run(mut self) {
         let mut first_seen: HashMap<Seen, Instant> = HashMap::new();
+        let mut last_settled: Option<Instant> = None;
         let mut looked = false;
         let mut last: Option<Share> = None;
         let mut beat_at: Option<Instant> = None;
@@ -66,7 +67,7 @@ impl Balancer {
             }
             match self.store.observe().await {
                 Ok(seen) => {
-                    let share = self.share(&seen, &mut first_seen, looked);
+                    let share = self.share(&seen, &mut first_seen, &mut last_settled, looked);
                     looked = true;
                     self.apply(share, &mut last);
                 }
@@ -128,6 +129,7 @@ impl Balancer {
         &self,
         seen: &Observation,
         first_seen: &mut HashMap<Seen, Instant>,
+        last_settled: &mut Option<Instant>,
         looked: bool,
     ) -> Share {
         let now = Instant::now();
@@ -142,12 +144,17 @@ impl Balancer {
             };
             current.insert(id, at);
         }
-        // A replica counted before and gone now.
+        // A replica counted before and gone now, or one that counts from
+        // this look on.
         let departure = first_seen
             .iter()
             .any(|(id, at)| *at <= settled && !current.contains_key(id));
+        let counts_now = current
+            .values()
+            .any(|at| *at <= settled && last_settled.is_some_and(|before| *at > before));
         *first_seen = current;
-        self.gate.looked(departure);
+        *last_settled = Some(settled);
+        self.gate.looked(departure || counts_now);
         split::share(self.n, &self.me, &seen.candidates, |c| {
             first_seen
                 .get(&(c.host.clone(), c.pid, c.since_ms))

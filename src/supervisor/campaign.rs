@@ -38,6 +38,8 @@ pub enum Campaign {
 /// Why a follower's wait ended.
 enum Wake {
     Attempt,
+    /// Attempt, woken by a release notice (the lease may be free now).
+    Noticed,
     Stopped,
     GaveUp,
 }
@@ -92,6 +94,7 @@ impl<P: Processes> Supervisor<P> {
         let mut failures = 0;
         let mut held_off = None;
         let mut woke_at = Instant::now();
+        let mut noticed = false;
         // Release notices cannot cut the first wait short: the one to expect
         // then is this replica's own.
         let mut next: Option<(Instant, bool)> = not_before.map(|at| (at, false));
@@ -100,15 +103,20 @@ impl<P: Processes> Supervisor<P> {
                 // While nothing waits for it, get the next spawn ready.
                 self.procs.prepare();
                 self.env.prepare();
+                noticed = false;
                 match self.wait(at, give_up_at, notices).await {
                     Wake::Attempt => woke_at = Instant::now(),
+                    Wake::Noticed => {
+                        woke_at = Instant::now();
+                        noticed = true;
+                    }
                     Wake::Stopped => return Campaign::Stopped,
                     Wake::GaveUp => return self.give_up(),
                 }
             }
             // Shard mode: an attempt needs a slot of the replica's share.
-            match self.slot().await {
-                Wake::Attempt => {}
+            match self.slot(noticed).await {
+                Wake::Attempt | Wake::Noticed => {}
                 Wake::Stopped => return Campaign::Stopped,
                 Wake::GaveUp => return self.give_up(),
             }
@@ -263,8 +271,9 @@ impl<P: Processes> Supervisor<P> {
     /// Shard mode: takes a slot of the replica's share for the next attempt,
     /// waiting for room if there is none. Out of room, the supervisor makes
     /// no requests; a release of its shard (which may mean a replica left)
-    /// asks the balancer for a fresh look at the replicas.
-    async fn slot(&mut self) -> Wake {
+    /// asks the balancer for a fresh look at the replicas. `noticed`: the
+    /// wait before was ended by such a release, which counts as one here.
+    async fn slot(&mut self, noticed: bool) -> Wake {
         let gate = match &self.shard {
             None => return Wake::Attempt,
             Some(role) => role.gate.clone(),
@@ -272,8 +281,11 @@ impl<P: Processes> Supervisor<P> {
         if self.take_slot() {
             return Wake::Attempt;
         }
-        // Woken by a release: the look at the replicas asked for then.
-        let mut asked: Option<u64> = None;
+        // Woken by a release: the look at the replicas asked for then. A
+        // release that ended the wait is one this replica cannot use now
+        // either: left to the next notice, its wake would stop here, with
+        // no replica in line woken (one with room would poll for it later).
+        let mut asked: Option<u64> = noticed.then(|| gate.ask_refresh());
         loop {
             tokio::select! {
                 biased;
@@ -288,20 +300,25 @@ impl<P: Processes> Supervisor<P> {
                     if self.take_slot() {
                         return Wake::Attempt;
                     }
-                    // A wake this replica cannot use, after a replica left:
-                    // pass it along the line, once per departure, until a
-                    // replica with room takes the shard (the same replica
-                    // may be first in every shard's line).
-                    let departure = gate.departure(self.spec.timing.ttl);
-                    let due = match (&mut self.shard, departure) {
-                        (Some(role), Some(d)) if role.passed_for < d => {
-                            role.passed_for = d;
-                            true
-                        }
-                        _ => false,
+                    // A wake this replica cannot use, while shards move (a
+                    // replica left, or one joined and others hand shards
+                    // over): pass it along the line, once per such change,
+                    // until a replica with room takes the shard (the same
+                    // replica may be first in every shard's line).
+                    let changed = gate.split_changed(self.spec.timing.ttl);
+                    let due = match (&self.shard, changed) {
+                        (Some(role), Some(d)) if role.passed_for < d => Some(d),
+                        _ => None,
                     };
-                    if due {
-                        self.pass_wake().await;
+                    // Only a wake passed on counts: a lease held meanwhile
+                    // (by the replica in line before, passing it on too)
+                    // is released again, and that wakes this one.
+                    if let Some(d) = due {
+                        if self.pass_wake().await {
+                            if let Some(role) = &mut self.shard {
+                                role.passed_for = d;
+                            }
+                        }
                     }
                 }
                 () = self.store.notice(), if asked.is_none() => asked = Some(gate.ask_refresh()),
@@ -311,15 +328,18 @@ impl<P: Processes> Supervisor<P> {
 
     /// Passes on a release's wake this replica cannot use, to the next
     /// follower in the shard's line: takes the lease and gives it back at
-    /// once (a token is used up; no command runs).
-    async fn pass_wake(&mut self) {
+    /// once (a token is used up; no command runs). Whether it did: not if
+    /// the lease was held or the backend did not answer.
+    async fn pass_wake(&mut self) -> bool {
         let attempt = self.attempt;
         self.attempt += 1;
-        if let Ok(Attempt::Acquired { token }) = self.store.acquire(attempt).await {
-            self.store.leading();
-            let _ = self.store.release(token).await;
-            debug!(token, "passed a release's wake on to the next follower");
-        }
+        let Ok(Attempt::Acquired { token }) = self.store.acquire(attempt).await else {
+            return false;
+        };
+        self.store.leading();
+        let _ = self.store.release(token).await;
+        debug!(token, "passed a release's wake on to the next follower");
+        true
     }
 
     /// Whether this shard's supervisor has a slot now: the one it kept, or
@@ -345,7 +365,7 @@ impl<P: Processes> Supervisor<P> {
                     return Wake::Stopped;
                 },
                 () = sleep_until(give_up_at.unwrap_or(at)), if give_up_at.is_some_and(|g| g <= at) => return Wake::GaveUp,
-                () = self.store.notice(), if notices => return Wake::Attempt,
+                () = self.store.notice(), if notices => return Wake::Noticed,
                 () = sleep_until(at) => return Wake::Attempt,
             }
         }

@@ -35,11 +35,11 @@ struct State {
     terms: BTreeMap<u32, Instant>,
     /// Shards asked to hand over, whose terms have not ended yet.
     resigning: Vec<u32>,
-    /// The balancer's looks so far; the last one that found a replica gone,
-    /// and when.
+    /// The balancer's looks so far; the last one that found the replicas
+    /// counted in the split changed, and when.
     looks: u64,
-    departed_at: u64,
-    departed_when: Option<Instant>,
+    changed_at: u64,
+    changed_when: Option<Instant>,
 }
 
 impl Gate {
@@ -141,14 +141,15 @@ impl Gate {
         self.refresh.notified().await;
     }
 
-    /// The balancer looked at the replicas; `departure`: a replica counted
-    /// before is gone.
-    pub fn looked(&self, departure: bool) {
+    /// The balancer looked at the replicas; `changed`: the replicas counted
+    /// in the split are not the ones counted before (one is gone, or one
+    /// counts now).
+    pub fn looked(&self, changed: bool) {
         let mut state = self.state.borrow_mut();
         state.looks += 1;
-        if departure {
-            state.departed_at = state.looks;
-            state.departed_when = Some(Instant::now());
+        if changed {
+            state.changed_at = state.looks;
+            state.changed_when = Some(Instant::now());
         }
         drop(state);
         self.looked.notify_waiters();
@@ -165,15 +166,17 @@ impl Gate {
         }
     }
 
-    /// The look that last found a replica gone, if that was within
-    /// `recent`: a shard's supervisor woken by a release it cannot use
-    /// passes the wake on once per such departure (see `campaign.rs`).
-    pub fn departure(&self, recent: std::time::Duration) -> Option<u64> {
+    /// The look that last found the counted replicas changed, if that was
+    /// within `recent`: shards move then (a replica's left, or ones over
+    /// their new share are handed over), and a shard's supervisor woken by
+    /// a release it cannot use passes the wake on once per such change
+    /// (see `campaign.rs`).
+    pub fn split_changed(&self, recent: std::time::Duration) -> Option<u64> {
         let state = self.state.borrow();
         state
-            .departed_when
+            .changed_when
             .is_some_and(|at| at.elapsed() < recent)
-            .then_some(state.departed_at)
+            .then_some(state.changed_at)
     }
 }
 

@@ -108,7 +108,8 @@ struct ShardRole {
     gate: Rc<Gate>,
     /// It holds a reserved slot of the gate's (for its next attempt).
     slot: bool,
-    /// The departure (the balancer's look) it last passed a wake on for.
+    /// The change of the split (the balancer's look) it last passed a wake
+    /// on for.
     passed_for: u64,
 }
 
