@@ -28,7 +28,7 @@ use futures_util::future::BoxFuture;
 
 use self::lease::{Me, Shared};
 use self::line::Line;
-use self::watch::{HeadWatch, Watch};
+use self::watch::{HeadWatch, Hub, Watch};
 use super::{
     Attempt, Backend, BackendOptions, Bounded, Call, Capabilities, Fatal, LeaseConfig, LeaseStore,
     Observation, RenewError, StoreError,
@@ -41,6 +41,8 @@ pub const MAX_TOKEN: u64 = lock::MAX_TOKEN;
 /// `file:///abs/dir` or `file:/abs/dir`: a state directory on this host.
 pub struct FileBackend {
     dir: PathBuf,
+    /// The inotify descriptor its stores' watches share.
+    hub: Arc<Hub>,
 }
 
 /// `file://` with no path, or no `--backend` at all: the default directory.
@@ -48,6 +50,7 @@ pub fn default(options: &BackendOptions) -> Result<Arc<dyn Backend>, ConfigError
     refuse_options("file://", options)?;
     Ok(Arc::new(FileBackend {
         dir: state_dir::default_dir()?,
+        hub: Arc::default(),
     }))
 }
 
@@ -87,7 +90,10 @@ pub fn parse(url: &str, options: &BackendOptions) -> Result<Arc<dyn Backend>, Co
         .ok()
         .and_then(|u| u.to_file_path().ok())
         .ok_or_else(|| refused("not a valid directory path".into()))?;
-    Ok(Arc::new(FileBackend { dir }))
+    Ok(Arc::new(FileBackend {
+        dir,
+        hub: Arc::default(),
+    }))
 }
 
 fn refuse_options(url: &str, options: &BackendOptions) -> Result<(), ConfigError> {
@@ -119,7 +125,7 @@ impl Backend for FileBackend {
 
     fn lease(&self, lease: LeaseConfig) -> Result<Arc<dyn LeaseStore>, ConfigError> {
         let call_timeout = lease.call_timeout;
-        let store = FileStore::open(&self.dir, lease)?;
+        let store = FileStore::open(&self.dir, lease, self.hub.clone())?;
         Ok(Bounded::wrap(Arc::new(store), call_timeout))
     }
 
@@ -136,7 +142,7 @@ impl Backend for FileBackend {
                 key: key.to_owned(),
                 me: None,
                 boot_id: clock::boot_id(),
-                watch: Watch::default(),
+                watch: Watch::new(self.hub.clone()),
                 file: Mutex::new(None),
             }),
             line: Arc::default(),
@@ -177,7 +183,7 @@ impl FileStore {
         }
     }
 
-    fn open(dir: &Path, lease: LeaseConfig) -> Result<FileStore, ConfigError> {
+    fn open(dir: &Path, lease: LeaseConfig, hub: Arc<Hub>) -> Result<FileStore, ConfigError> {
         let dir_fd = state_dir::open(dir, true)?.expect("created");
         let shared = Shared {
             dir: Some(dir_fd),
@@ -193,7 +199,7 @@ impl FileStore {
                 pruned_at: Mutex::new(Some(std::time::Instant::now())),
             }),
             boot_id: clock::boot_id(),
-            watch: Watch::default(),
+            watch: Watch::new(hub),
             file: Mutex::new(None),
         };
         let file = shared
@@ -406,7 +412,7 @@ mod tests {
             call_timeout: Duration::from_secs(2),
             hand_over: false,
         };
-        FileStore::open(dir, lease).unwrap().shared
+        FileStore::open(dir, lease, Arc::default()).unwrap().shared
     }
 
     #[test]

@@ -4,22 +4,51 @@
 //!
 //! Only the head watches (a watch left on would wake this process at every
 //! write of the file), and the inotify descriptor is made the first time
-//! this replica heads the line: closing one costs milliseconds in the
+//! this replica heads a line: closing one costs milliseconds in the
 //! kernel's mark teardown, which a replica that never follows should not pay.
+//!
+//! The lease stores of one backend (a replica's shards) share one inotify
+//! descriptor, its events handed to each watch by watch descriptor: a user
+//! may have 128 descriptors (`fs.inotify.max_user_instances`), and with one
+//! per store, four replicas of 64 file shards on a host ran out, and the
+//! heads that could not watch fell back to polling.
 
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
 use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-/// The watch of one replica on one lease file.
+/// The inotify descriptor of one backend's stores, made on the first watch.
 #[derive(Default)]
+pub struct Hub {
+    events: Mutex<Option<Arc<Events>>>,
+}
+
+impl Hub {
+    fn events(&self) -> io::Result<Arc<Events>> {
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(events) = &*events {
+            return Ok(events.clone());
+        }
+        let made = Arc::new(setup()?);
+        *events = Some(made.clone());
+        Ok(made)
+    }
+}
+
+/// The watch of one replica on one lease file.
 pub struct Watch {
+    hub: Arc<Hub>,
     state: Mutex<State>,
+    /// Told when an event for this watch's file was read (by any watch's
+    /// wait); a permit is kept until this watch waits.
+    changed: Arc<Notify>,
 }
 
 #[derive(Default)]
@@ -35,8 +64,56 @@ enum State {
     Watching(Arc<Events>, WatchDescriptor),
 }
 
-/// The inotify descriptor, readable in the runtime.
-pub type Events = AsyncFd<Watcher>;
+/// The shared inotify descriptor, readable in the runtime, and who waits
+/// for which of its watch descriptors.
+pub struct Events {
+    fd: AsyncFd<Watcher>,
+    waiting: Mutex<HashMap<WatchDescriptor, Vec<Arc<Notify>>>>,
+}
+
+type Waiting = HashMap<WatchDescriptor, Vec<Arc<Notify>>>;
+
+impl Events {
+    fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tells each watch whose file changed. An overflow of the kernel's
+    /// queue loses events: every watch is told.
+    fn hand_out(&self, events: &[InotifyEvent]) {
+        let waiting = self.waiting();
+        for event in events {
+            if event.mask.contains(AddWatchFlags::IN_Q_OVERFLOW) {
+                waiting.values().flatten().for_each(|n| n.notify_one());
+            } else if !event.mask.contains(AddWatchFlags::IN_IGNORED) {
+                if let Some(told) = waiting.get(&event.wd) {
+                    told.iter().for_each(|n| n.notify_one());
+                }
+            }
+        }
+    }
+
+    /// Stops telling `changed` of `wd`'s events; true if no watch waits
+    /// for them any more.
+    fn forget(&self, wd: WatchDescriptor, changed: &Arc<Notify>) -> bool {
+        let mut waiting = self.waiting();
+        let Some(told) = waiting.get_mut(&wd) else {
+            return true;
+        };
+        told.retain(|n| !Arc::ptr_eq(n, changed));
+        let last = told.is_empty();
+        if last {
+            waiting.remove(&wd);
+        }
+        last
+    }
+}
+
+/// What a head waits on: the shared descriptor, and its watch's notice.
+pub struct Waiter {
+    events: Arc<Events>,
+    changed: Arc<Notify>,
+}
 
 /// The inotify instance, as a raw descriptor for `AsyncFd`.
 pub struct Watcher(Inotify);
@@ -49,8 +126,8 @@ impl AsRawFd for Watcher {
 
 /// What a head should do now.
 pub enum HeadWatch {
-    /// Wait for these events.
-    Wait(Arc<Events>),
+    /// Wait for its file's events.
+    Wait(Waiter),
     /// The watch just started: a release may have come before it, so attempt.
     Started,
     /// No watch is possible: poll.
@@ -58,6 +135,14 @@ pub enum HeadWatch {
 }
 
 impl Watch {
+    pub fn new(hub: Arc<Hub>) -> Watch {
+        Watch {
+            hub,
+            state: Mutex::default(),
+            changed: Arc::default(),
+        }
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -67,11 +152,16 @@ impl Watch {
     pub fn head(&self, path: &Path) -> HeadWatch {
         let mut state = self.state();
         let events = match &*state {
-            State::Watching(events, _) => return HeadWatch::Wait(events.clone()),
+            State::Watching(events, _) => {
+                return HeadWatch::Wait(Waiter {
+                    events: events.clone(),
+                    changed: self.changed.clone(),
+                });
+            }
             State::Unavailable => return HeadWatch::Poll,
             State::Idle(events) => events.clone(),
-            State::Unstarted => match setup() {
-                Ok(events) => Arc::new(events),
+            State::Unstarted => match self.hub.events() {
+                Ok(events) => events,
                 Err(e) => {
                     warn!(error = %e, "cannot watch the lease file; followers fall back to polling");
                     *state = State::Unavailable;
@@ -79,7 +169,7 @@ impl Watch {
                 }
             },
         };
-        match add(&events, path) {
+        match self.add(&events, path) {
             Ok(wd) => {
                 *state = State::Watching(events, wd);
                 HeadWatch::Started
@@ -102,7 +192,9 @@ impl Watch {
     pub fn stop(&self) {
         let mut state = self.state();
         if let State::Watching(events, wd) = &*state {
-            let _ = events.get_ref().0.rm_watch(*wd);
+            if events.forget(*wd, &self.changed) {
+                let _ = events.fd.get_ref().0.rm_watch(*wd);
+            }
             *state = State::Idle(events.clone());
         }
     }
@@ -111,12 +203,31 @@ impl Watch {
     /// operator replaced it): the old watch went with the old file.
     pub fn rewatch(&self, path: &Path) -> io::Result<()> {
         let mut state = self.state();
-        if let State::Watching(events, _) = &*state {
+        if let State::Watching(events, old) = &*state {
             let events = events.clone();
-            let wd = add(&events, path)?;
+            // The old watch went with the old file (its IN_IGNORED).
+            events.forget(*old, &self.changed);
+            let wd = self.add(&events, path)?;
             *state = State::Watching(events, wd);
         }
         Ok(())
+    }
+
+    fn add(&self, events: &Events, path: &Path) -> io::Result<WatchDescriptor> {
+        let wd = events.fd.get_ref().0.add_watch(
+            path,
+            AddWatchFlags::IN_MODIFY
+                | AddWatchFlags::IN_CLOSE_WRITE
+                | AddWatchFlags::IN_ATTRIB
+                | AddWatchFlags::IN_DELETE_SELF
+                | AddWatchFlags::IN_MOVE_SELF,
+        )?;
+        events
+            .waiting()
+            .entry(wd)
+            .or_default()
+            .push(self.changed.clone());
+        Ok(wd)
     }
 }
 
@@ -124,38 +235,35 @@ fn setup() -> io::Result<Events> {
     let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
     // SAFETY: the Watcher owns the inotify descriptor for as long as the
     // AsyncFd lives, and always returns that same descriptor.
-    unsafe { AsyncFd::register_with_interest(Watcher(inotify), tokio::io::Interest::READABLE) }
-        .map_err(|e| e.into())
-}
-
-fn add(events: &Events, path: &Path) -> io::Result<WatchDescriptor> {
-    Ok(events.get_ref().0.add_watch(
-        path,
-        AddWatchFlags::IN_MODIFY
-            | AddWatchFlags::IN_CLOSE_WRITE
-            | AddWatchFlags::IN_ATTRIB
-            | AddWatchFlags::IN_DELETE_SELF
-            | AddWatchFlags::IN_MOVE_SELF,
-    )?)
+    let fd = unsafe {
+        AsyncFd::register_with_interest(Watcher(inotify), tokio::io::Interest::READABLE)
+    }?;
+    Ok(Events {
+        fd,
+        waiting: Mutex::default(),
+    })
 }
 
 /// Waits until the watched file changes (any event but the removal of a
-/// watch). Returns at once on an error: the caller attempts.
-pub async fn changed(events: &Events) {
+/// watch), read here or by another watch's wait. Returns at once on an
+/// error: the caller attempts.
+pub async fn changed(waiter: &Waiter) {
+    let notified = waiter.changed.notified();
+    tokio::pin!(notified);
     loop {
-        let Ok(mut ready) = events.readable().await else {
-            return;
-        };
-        match ready.get_inner().0.read_events() {
-            Ok(events)
-                if events
-                    .iter()
-                    .any(|e| !e.mask.contains(AddWatchFlags::IN_IGNORED)) =>
-            {
-                return;
+        tokio::select! {
+            biased;
+            () = &mut notified => return,
+            ready = waiter.events.fd.readable() => {
+                let Ok(mut ready) = ready else {
+                    return;
+                };
+                match ready.get_inner().0.read_events() {
+                    Ok(events) => waiter.events.hand_out(&events),
+                    Err(nix::errno::Errno::EAGAIN) => ready.clear_ready(),
+                    Err(_) => return,
+                }
             }
-            Err(nix::errno::Errno::EAGAIN) | Ok(_) => ready.clear_ready(),
-            Err(_) => return,
         }
     }
 }
