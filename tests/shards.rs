@@ -181,6 +181,38 @@ fn shards_split_and_move_on_files() {
     split_kill_join_stop(&sandbox, sandbox.backend());
 }
 
+/// `kill -9` of one of four replicas of 64 file shards: every one of its
+/// shards runs elsewhere on the releases its guard makes. The same replica
+/// may be first in line for many of them and have room for only some, and
+/// its wake must travel the line to a replica with room; the followers'
+/// attempts are 30 s apart here (and the leases' ttl 30 s), so a wake that
+/// stops on the way shows as a shard not running for 30 s.
+#[test]
+fn every_shard_of_a_killed_replica_runs_elsewhere_on_its_release() {
+    let sandbox = Sandbox::new();
+    let fleet = Fleet {
+        sandbox: &sandbox,
+        backend: sandbox.backend(),
+        key: "many",
+        n: 64,
+    };
+    let slow = ["--campaign-every", "30s", "--ttl", "30s"];
+    let replicas: Vec<Replica> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|owner| fleet.replica(owner, &slow))
+        .collect();
+    let took = fleet.settles_to(&[16, 16, 16, 16], Duration::from_secs(60), "four replicas");
+    eprintln!("four replicas of 64 shards: 16/16/16/16 after {took:?}");
+    replicas[0].signal(Signal::SIGKILL);
+    let took = fleet.settles_to(&[22, 21, 21], Duration::from_secs(25), "after kill -9");
+    eprintln!("kill -9 of one of four replicas of 64 shards: 22/21/21 after {took:?}");
+    assert!(
+        took < Duration::from_secs(10),
+        "the killed replica's shards ran elsewhere only {took:?} later"
+    );
+    fleet.check_history();
+}
+
 #[test]
 fn shards_split_and_move_on_redis() {
     let sandbox = Sandbox::new();
