@@ -83,6 +83,10 @@ impl LeaseStore for Counted {
         self.inner.wakes_on_release()
     }
 
+    fn release_wakes_one(&self) -> bool {
+        self.inner.release_wakes_one()
+    }
+
     fn acquired_since(&self) -> Option<std::time::Instant> {
         self.inner.acquired_since()
     }

@@ -164,6 +164,15 @@ pub trait LeaseStore: Send + Sync {
         false
     }
 
+    /// Whether a release wakes one follower only, the head of a line, which
+    /// in shard mode passes on a wake it has no room for (see
+    /// `campaign.rs`). The file backend's line does; where every follower
+    /// hears of a release, a pass only takes the lease from under the one
+    /// with room for a moment.
+    fn release_wakes_one(&self) -> bool {
+        false
+    }
+
     /// Descriptors the store needs to act from another process (the guard,
     /// a fork of leaderrun's, which releases a running term's lease after
     /// leaderrun died). The file backend's lease file is one: its holder's

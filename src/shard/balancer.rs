@@ -154,7 +154,10 @@ impl Balancer {
             .any(|at| *at <= settled && last_settled.is_some_and(|before| *at > before));
         *first_seen = current;
         *last_settled = Some(settled);
-        self.gate.looked(departure || counts_now);
+        // A join counts where a release wakes one follower: the hand-overs'
+        // wakes are passed on then, as after a departure.
+        self.gate
+            .looked(departure || (counts_now && self.store.release_wakes_one()));
         split::share(self.n, &self.me, &seen.candidates, |c| {
             first_seen
                 .get(&(c.host.clone(), c.pid, c.since_ms))

@@ -108,7 +108,7 @@ impl<P: Processes> Supervisor<P> {
                     Wake::Attempt => woke_at = Instant::now(),
                     Wake::Noticed => {
                         woke_at = Instant::now();
-                        noticed = true;
+                        noticed = self.store.release_wakes_one();
                     }
                     Wake::Stopped => return Campaign::Stopped,
                     Wake::GaveUp => return self.give_up(),
@@ -310,11 +310,13 @@ impl<P: Processes> Supervisor<P> {
                         (Some(role), Some(d)) if role.passed_for < d => Some(d),
                         _ => None,
                     };
-                    // Only a wake passed on counts: a lease held meanwhile
-                    // (by the replica in line before, passing it on too)
-                    // is released again, and that wakes this one.
+                    // Only a wake passed on counts (where a release wakes
+                    // one): a lease held meanwhile (by the replica in line
+                    // before, passing it on too) is released again, and
+                    // that wakes this one.
                     if let Some(d) = due {
-                        if self.pass_wake().await {
+                        let one = self.store.release_wakes_one();
+                        if self.pass_wake().await || !one {
                             if let Some(role) = &mut self.shard {
                                 role.passed_for = d;
                             }

@@ -374,6 +374,10 @@ impl LeaseStore for FileStore {
         self.shared.watch.stop();
     }
 
+    fn release_wakes_one(&self) -> bool {
+        true
+    }
+
     fn wakes_on_release(&self) -> bool {
         self.line.waiting() && self.shared.watch.available()
     }
