@@ -94,16 +94,15 @@ impl<P: Processes> Supervisor<P> {
         let mut failures = 0;
         let mut held_off = None;
         let mut woke_at = Instant::now();
-        let mut noticed = false;
         // Release notices cannot cut the first wait short: the one to expect
         // then is this replica's own.
         let mut next: Option<(Instant, bool)> = not_before.map(|at| (at, false));
         loop {
+            let mut noticed = false;
             if let Some((at, notices)) = next {
                 // While nothing waits for it, get the next spawn ready.
                 self.procs.prepare();
                 self.env.prepare();
-                noticed = false;
                 match self.wait(at, give_up_at, notices).await {
                     Wake::Attempt => woke_at = Instant::now(),
                     Wake::Noticed => {

@@ -68,7 +68,7 @@ enum State {
 /// for which of its watch descriptors.
 pub struct Events {
     fd: AsyncFd<Watcher>,
-    waiting: Mutex<HashMap<WatchDescriptor, Vec<Arc<Notify>>>>,
+    waiting: Mutex<Waiting>,
 }
 
 type Waiting = HashMap<WatchDescriptor, Vec<Arc<Notify>>>;
