@@ -19,7 +19,8 @@
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
 //! handovers, for profiling (`LEADERRUN_BENCH_ONLY=etcd,flock`: only those
 //! tools; `LEADERRUN_BENCH_AGAINST=/path/to/leaderrun`: each leaderrun row
-//! again with that binary, interleaved, to compare two builds (its rows
+//! again with that binary, interleaved, to compare two builds (several,
+//! comma-separated: a row for each; their rows
 //! come last in each round, which costs their cycles 0.17–0.2 ms here: run
 //! it twice with the builds swapped);
 //! `LEADERRUN_BENCH_LOGS=1`: leaderrun at its default log level, its stderr a
@@ -126,22 +127,31 @@ fn main() {
         if let Ok(only) = std::env::var("LEADERRUN_BENCH_ONLY") {
             tools.retain(|tool| only.split(',').any(|word| tool.name.contains(word)));
         }
-        if let Ok(other) = std::env::var("LEADERRUN_BENCH_AGAINST") {
-            let other: &'static str = Box::leak(other.into_boxed_str());
-            let twins: Vec<Tool> = tools
-                .iter()
-                .filter_map(|tool| match &tool.kind {
-                    Kind::Leaderrun { url, .. } => Some(Tool {
-                        name: Box::leak(format!("{} against", tool.name).into_boxed_str()),
-                        kind: Kind::Leaderrun {
-                            url: url.clone(),
-                            bin: other,
-                        },
-                    }),
-                    _ => None,
-                })
-                .collect();
-            tools.extend(twins);
+        if let Ok(others) = std::env::var("LEADERRUN_BENCH_AGAINST") {
+            for (n, other) in others.split(',').enumerate() {
+                let other: &'static str = Box::leak(other.to_owned().into_boxed_str());
+                let suffix = if n == 0 {
+                    String::new()
+                } else {
+                    format!(" {}", n + 1)
+                };
+                let twins: Vec<Tool> = tools
+                    .iter()
+                    .filter_map(|tool| match &tool.kind {
+                        Kind::Leaderrun { url, bin } if *bin == BIN => Some(Tool {
+                            name: Box::leak(
+                                format!("{} against{suffix}", tool.name).into_boxed_str(),
+                            ),
+                            kind: Kind::Leaderrun {
+                                url: url.clone(),
+                                bin: other,
+                            },
+                        }),
+                        _ => None,
+                    })
+                    .collect();
+                tools.extend(twins);
+            }
         }
         let cycles = bench.interleaved_cycles(&tools, samples);
         let handovers = bench.interleaved_handovers(&tools, samples, 20);

@@ -690,9 +690,17 @@ fn handover_stores(
     key: &str,
     ttl: Duration,
 ) -> [std::sync::Arc<dyn leaderrun::backend::LeaseStore>; 3] {
+    handover_stores_at(server.url(), key, ttl)
+}
+
+/// `handover_stores`, on the server at `url`.
+fn handover_stores_at(
+    url: &str,
+    key: &str,
+    ttl: Duration,
+) -> [std::sync::Arc<dyn leaderrun::backend::LeaseStore>; 3] {
     use leaderrun::backend::{BackendOptions, Identity, LeaseConfig};
-    let backend =
-        leaderrun::backend::parse(Some(server.url()), &BackendOptions::default()).unwrap();
+    let backend = leaderrun::backend::parse(Some(url), &BackendOptions::default()).unwrap();
     ["a", "b", "c"].map(|owner| {
         backend
             .lease(LeaseConfig {
@@ -780,6 +788,146 @@ fn a_release_hands_the_lease_to_the_follower_without_a_request_after_it() {
             other => panic!("b's lease lapsed before a ttl from its attempt: {other:?}"),
         }
     });
+}
+
+/// How many times the server ran `command` (`INFO commandstats`; a
+/// subcommand as `client|reply`).
+fn calls_of(server: &RedisServer, command: &str) -> u64 {
+    let prefix = format!("cmdstat_{command}:calls=");
+    text(server.command(None, &["INFO", "commandstats"]).unwrap())
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// `a` holds; `b` takes the lease in line at `a`'s release and leads; `c`
+/// waits in line behind it. Returns `b`'s token and `c`'s wait.
+async fn handed_to_b_with_c_in_line(
+    a: &std::sync::Arc<dyn leaderrun::backend::LeaseStore>,
+    b: &std::sync::Arc<dyn leaderrun::backend::LeaseStore>,
+    c: &std::sync::Arc<dyn leaderrun::backend::LeaseStore>,
+) -> (u64, tokio::task::JoinHandle<()>) {
+    use leaderrun::backend::Attempt;
+    let (token, b_waiting) = held_and_followed(a, b).await;
+    assert!(a.release_last(token).await.unwrap());
+    b_waiting.await.unwrap();
+    let Ok(Attempt::Acquired { token: handed }) = b.acquire(1).await else {
+        panic!("b was not handed the lease");
+    };
+    // b's term has started: its place in line goes.
+    b.leading();
+    assert!(matches!(c.acquire(1).await, Ok(Attempt::Held(_))));
+    (handed, common::waiting_in_line(c).await)
+}
+
+/// A term that began in line releases on the line's connection, idle since,
+/// with Redis's reply skipped (nothing for Redis to write back while it
+/// serves the next follower), then confirms on the command connection: the
+/// release says it released, the next follower in line takes the lease, and
+/// the server ran the release twice, once unanswered.
+#[test]
+fn a_term_begun_in_line_releases_unanswered_then_confirms() {
+    use leaderrun::backend::Attempt;
+
+    let server = ready_server();
+    let [a, b, c] = handover_stores(&server, "quiet", Duration::from_secs(2));
+    block_on(async {
+        let (token, c_waiting) = handed_to_b_with_c_in_line(&a, &b, &c).await;
+        let skipped = calls_of(&server, "client|reply");
+        let ran = calls_of(&server, "evalsha");
+        assert!(b.release_last(token).await.unwrap(), "b says it released");
+        assert_eq!(
+            calls_of(&server, "client|reply") - skipped,
+            1,
+            "one reply skipped"
+        );
+        assert!(
+            calls_of(&server, "evalsha") - ran >= 2,
+            "released, then confirmed"
+        );
+        c_waiting.await.unwrap();
+        assert_eq!(
+            c.acquire(1).await.ok(),
+            Some(Attempt::Acquired { token: token + 1 })
+        );
+    });
+}
+
+/// The unanswered release can fail unseen (here Redis forgot its scripts,
+/// so the `EVALSHA` met `NOSCRIPT`): the confirmation then releases, and the
+/// next follower still takes over at once, not at the lease's expiry.
+#[test]
+fn an_unanswered_release_that_failed_is_made_by_its_confirmation() {
+    use leaderrun::backend::Attempt;
+
+    let server = ready_server();
+    let ttl = Duration::from_secs(2);
+    let [a, b, c] = handover_stores(&server, "confirmed", ttl);
+    block_on(async {
+        let (token, c_waiting) = handed_to_b_with_c_in_line(&a, &b, &c).await;
+        server.command(None, &["SCRIPT", "FLUSH"]).unwrap();
+        let released = Instant::now();
+        assert!(b.release_last(token).await.unwrap(), "b says it released");
+        c_waiting.await.unwrap();
+        // c's own attempt in line met NOSCRIPT too: it asks now.
+        assert_eq!(
+            c.acquire(1).await.ok(),
+            Some(Attempt::Acquired { token: token + 1 })
+        );
+        assert!(released.elapsed() < ttl / 2, "{:?}", released.elapsed());
+    });
+}
+
+/// A user who may not turn replies off (an ACL from before `client|reply`
+/// was in the README's line) gets answered releases: the follower in line
+/// still takes over at once, and Redis logs the one denial per line
+/// connection (its check, with `INFO server`), none per release.
+#[test]
+fn a_user_without_client_reply_releases_answered() {
+    use leaderrun::backend::Attempt;
+
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let line = readme
+        .lines()
+        .find_map(|l| l.strip_prefix("    ACL SETUSER leaderrun on >PASSWORD "))
+        .expect("the README's ACL line");
+    let rules: Vec<&str> = line.split(' ').filter(|r| *r != "+client|reply").collect();
+    let (server, url) = acl_server(&rules);
+    let [a, b, c] = handover_stores_at(&url, "answered", Duration::from_secs(2));
+    block_on(async {
+        let (token, c_waiting) = handed_to_b_with_c_in_line(&a, &b, &c).await;
+        let released = Instant::now();
+        assert!(b.release_last(token).await.unwrap(), "b says it released");
+        c_waiting.await.unwrap();
+        assert_eq!(
+            c.acquire(1).await.ok(),
+            Some(Attempt::Acquired { token: token + 1 })
+        );
+        assert!(
+            released.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            released.elapsed()
+        );
+    });
+    // One entry (Redis counts the same denial in it): b's line and c's.
+    let log = server.command(None, &["ACL", "LOG"]).unwrap();
+    let redis::Value::Array(entries) = &log else {
+        panic!("{log:?}")
+    };
+    let [redis::Value::Array(entry)] = &entries[..] else {
+        panic!("one kind of denial: {log:?}")
+    };
+    let field = |name: &str| {
+        let at = entry.iter().position(|v| format!("{v:?}").contains(name))?;
+        entry.get(at + 1).cloned()
+    };
+    assert_eq!(
+        field("object").map(text).as_deref(),
+        Some("client|reply"),
+        "{log:?}"
+    );
+    assert_eq!(field("count"), Some(redis::Value::Int(2)), "{log:?}");
 }
 
 /// A lease the line's attempt took at a release, which no term took (the

@@ -17,7 +17,9 @@
 //! wake it took would be lost); it is aborted when this replica leads, which
 //! closes its connection and so its place, so the wake of its own next
 //! release goes to a follower. After an acquisition it sends nothing until
-//! the campaign waits again: the lease is this replica's.
+//! the campaign waits again: the lease is this replica's, and the
+//! connection, idle and out of line, is kept for the term's release
+//! (`take_kept`, and the Redis backend's `release_once`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -54,6 +56,13 @@ pub struct Line {
     /// line, set by the campaign's next wait.
     armed: AtomicBool,
     arm: Notify,
+    /// The task's connection while it is idle after an acquisition.
+    idle: Mutex<Option<Conn>>,
+    /// That connection, taken when this replica led: the term's release
+    /// goes out on it.
+    kept: Mutex<Option<Conn>>,
+    /// The server lets this user turn its replies off (`CLIENT REPLY`).
+    quiet: AtomicBool,
 }
 
 impl Line {
@@ -87,12 +96,17 @@ impl Line {
             woken: Notify::new(),
             armed: AtomicBool::new(false),
             arm: Notify::new(),
+            idle: Mutex::new(None),
+            kept: Mutex::new(None),
+            quiet: AtomicBool::new(false),
         }
     }
 
     /// Waits for a wake from the line; takes a place first if this replica
     /// has none.
     pub async fn wait(self: &Arc<Self>) {
+        // A term that ended without its release (lost): following again.
+        self.kept.lock().unwrap().take();
         self.armed.store(true, Ordering::SeqCst);
         self.arm.notify_one();
         {
@@ -104,13 +118,26 @@ impl Line {
         self.woken.notified().await;
     }
 
-    /// Gives up this replica's place (it leads now, or exits).
+    /// Gives up this replica's place (it leads now, or exits). A connection
+    /// idle after an acquisition holds no place: it is kept (`take_kept`).
     pub fn leave(&self) {
         if let Some(task) = self.task.lock().unwrap().take() {
+            let idle = self.idle.lock().unwrap().take();
+            if idle.is_some() {
+                *self.kept.lock().unwrap() = idle;
+            }
             task.abort();
         }
         self.set_waiting(false);
         self.armed.store(false, Ordering::SeqCst);
+    }
+
+    /// The connection of the acquisition behind the line that began this
+    /// term, idle since (nothing is in flight on it), where this user may
+    /// turn its replies off.
+    pub fn take_kept(&self) -> Option<Conn> {
+        let kept = self.kept.lock().unwrap().take();
+        kept.filter(|_| self.quiet.load(Ordering::SeqCst))
     }
 
     /// Whether this replica waits in line now.
@@ -161,7 +188,7 @@ async fn queue(line: Arc<Line>) {
             continue;
         };
         let server = match &line.behind {
-            Some(acquirer) => server_of(&mut connection, acquirer).await,
+            Some(acquirer) => server_of(&line, &mut connection, acquirer).await,
             None => None,
         };
         // A new place in line: a release may have come while there was none.
@@ -175,6 +202,7 @@ async fn queue(line: Arc<Line>) {
                 while !line.armed.load(Ordering::SeqCst) {
                     line.arm.notified().await;
                 }
+                line.idle.lock().unwrap().take();
                 line.set_waiting(true);
             }
             let server = server.as_ref().map(|(run_id, at)| (run_id.as_str(), *at));
@@ -198,16 +226,30 @@ async fn queue(line: Arc<Line>) {
 
 /// The run id of the one server a connection goes to, and from when it has
 /// been up for a ttl, as it says (`INFO server`); None on a cluster, whose
-/// connection follows a slot from node to node.
-async fn server_of(connection: &mut Conn, acquirer: &Acquirer) -> Option<(String, Instant)> {
+/// connection follows a slot from node to node. Asked with it (no round
+/// trip more): whether this user may turn replies off (`CLIENT REPLY`), for
+/// the term's release (`take_kept`).
+async fn server_of(
+    line: &Line,
+    connection: &mut Conn,
+    acquirer: &Acquirer,
+) -> Option<(String, Instant)> {
     let Conn::Server(server) = connection else {
         return None;
     };
-    let mut info = redis::cmd("INFO");
-    info.arg("server");
-    let text: String = info.query_async(server).await.ok()?;
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors();
+    pipe.cmd("INFO").arg("server");
+    pipe.cmd("CLIENT").arg("REPLY").arg("ON");
+    let replies: Vec<Value> = pipe.query_async(server).await.ok()?;
     // The server wrote its uptime before this moment.
     let answered = Instant::now();
+    let mut replies = replies.into_iter();
+    let text: String = redis::from_redis_value(replies.next()?).ok()?;
+    line.quiet.store(
+        matches!(replies.next(), Some(Value::Okay)),
+        Ordering::SeqCst,
+    );
     let field = |name: &str| {
         text.lines()
             .find_map(|line| line.strip_prefix(name))
@@ -335,6 +377,8 @@ async fn take_answer(
     let acquired = matches!(answer, Attempt::Acquired { .. });
     acquirer.keep(attempt, sent_at, answer);
     if acquired {
+        // Idle from now on, until the campaign waits again.
+        *line.idle.lock().unwrap() = Some(connection.clone());
         line.armed.store(false, Ordering::SeqCst);
         line.woken.notify_one();
     }

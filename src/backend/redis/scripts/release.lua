@@ -1,7 +1,8 @@
 -- Gives up the caller's lease and wakes the follower first in line.
 -- KEYS: lease, candidates, line, released. ARGV: instance, token, ttl_ms,
 -- candidate record, last (1: the run is over, the candidate record goes
--- too). Returns 1 released, 0 not held.
+-- too). Returns 1 released, 2 released before with this token (a release
+-- whose answer was skipped or lost), 0 not held.
 if ARGV[5] == '1' then
   redis.call('HDEL', KEYS[2], ARGV[1])
 else
@@ -21,5 +22,8 @@ if current then
     redis.call('PEXPIRE', KEYS[3], ARGV[3])
     return 1
   end
+end
+if redis.call('GET', KEYS[4]) == ARGV[2] then
+  return 2
 end
 return 0
