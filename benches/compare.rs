@@ -18,7 +18,7 @@
 //! `LEADERRUN_BENCH_HA=0` the Sentinel and Cluster runs;
 //! `LEADERRUN_BENCH_QUICK=1` measures only the interleaved cycles and
 //! handovers, for profiling (`LEADERRUN_BENCH_ONLY=etcd,flock`: only those
-//! tools; `LEADERRUN_BENCH_AGAINST=/path/to/leaderrun`: each leaderrun row
+//! tools, and in shard mode only those backends; `LEADERRUN_BENCH_AGAINST=/path/to/leaderrun`: each leaderrun row
 //! again with that binary, interleaved, to compare two builds (several,
 //! comma-separated: a row for each; their rows
 //! come last in each round, which costs their cycles 0.17–0.2 ms here: run
@@ -211,6 +211,9 @@ fn main() {
                 format!("etcd://127.0.0.1:{}", etcd.port),
                 Requests::Etcd(etcd.port),
             ));
+        }
+        if let Ok(only) = std::env::var("LEADERRUN_BENCH_ONLY") {
+            backends.retain(|(name, ..)| only.split(',').any(|word| name.contains(word)));
         }
         shard_mode(&mut out, dir.path(), &backends);
     }

@@ -616,23 +616,24 @@ fn acl_server(rules: &[&str]) -> (RedisServer, String) {
     (server, url)
 }
 
+/// The rules of the README's least-privilege ACL line.
+fn readme_acl_rules() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let line = readme
+        .lines()
+        .find_map(|l| l.strip_prefix("    ACL SETUSER leaderrun on >PASSWORD "))
+        .expect("the README's ACL line");
+    line.split(' ').map(str::to_owned).collect()
+}
+
 /// The README's least-privilege ACL, word for word: a leader, a follower
 /// woken from the line, status and the candidates' withdrawal all work
 /// with it, and Redis logs no denied command.
 #[test]
 fn the_readme_least_privilege_acl_is_enough() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let line = readme
-        .lines()
-        .find(|l| l.starts_with("    ACL SETUSER leaderrun on >PASSWORD "))
-        .expect("the README's ACL line");
-    let rules: Vec<&str> = line
-        .trim()
-        .strip_prefix("ACL SETUSER leaderrun on >PASSWORD ")
-        .unwrap()
-        .split(' ')
-        .collect();
+    let rules = readme_acl_rules();
+    let rules: Vec<&str> = rules.iter().map(String::as_str).collect();
     let (server, url) = acl_server(&rules);
     let sandbox = Sandbox::new();
     let leader = sandbox.leader_until_stop(&url, "least");
@@ -886,13 +887,12 @@ fn an_unanswered_release_that_failed_is_made_by_its_confirmation() {
 fn a_user_without_client_reply_releases_answered() {
     use leaderrun::backend::Attempt;
 
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let line = readme
-        .lines()
-        .find_map(|l| l.strip_prefix("    ACL SETUSER leaderrun on >PASSWORD "))
-        .expect("the README's ACL line");
-    let rules: Vec<&str> = line.split(' ').filter(|r| *r != "+client|reply").collect();
+    let rules = readme_acl_rules();
+    let rules: Vec<&str> = rules
+        .iter()
+        .map(String::as_str)
+        .filter(|r| *r != "+client|reply")
+        .collect();
     let (server, url) = acl_server(&rules);
     let [a, b, c] = handover_stores_at(&url, "answered", Duration::from_secs(2));
     block_on(async {
