@@ -105,8 +105,9 @@ fn a_release_hands_the_lease_to_the_first_in_line_and_revokes_its_own() {
         match floor {
             None => assert!(
                 handed && taken == held + 1,
-                "{held} -> {taken}: {}",
-                leader.stderr()
+                "{held} -> {taken}: {}\nfollower: {}",
+                leader.stderr(),
+                follower.stderr()
             ),
             Some(floor) => assert!(
                 !handed && taken == floor.parse::<u64>().unwrap() + 1,
