@@ -56,10 +56,9 @@ pub struct Line {
     /// line, set by the campaign's next wait.
     armed: AtomicBool,
     arm: Notify,
-    /// The task's connection while it is idle after an acquisition.
-    idle: Mutex<Option<Conn>>,
-    /// That connection, taken when this replica led: the term's release
-    /// goes out on it.
+    /// The connection of the last acquisition behind the line, idle since:
+    /// set at that acquisition, dropped when the campaign waits again, taken
+    /// by the term's release (`take_kept`).
     kept: Mutex<Option<Conn>>,
     /// The server lets this user turn its replies off (`CLIENT REPLY`).
     quiet: AtomicBool,
@@ -96,7 +95,6 @@ impl Line {
             woken: Notify::new(),
             armed: AtomicBool::new(false),
             arm: Notify::new(),
-            idle: Mutex::new(None),
             kept: Mutex::new(None),
             quiet: AtomicBool::new(false),
         }
@@ -105,7 +103,8 @@ impl Line {
     /// Waits for a wake from the line; takes a place first if this replica
     /// has none.
     pub async fn wait(self: &Arc<Self>) {
-        // A term that ended without its release (lost): following again.
+        // Following again: the connection is the line's (or the term that
+        // began with it ended without its release).
         self.kept.lock().unwrap().take();
         self.armed.store(true, Ordering::SeqCst);
         self.arm.notify_one();
@@ -119,13 +118,9 @@ impl Line {
     }
 
     /// Gives up this replica's place (it leads now, or exits). A connection
-    /// idle after an acquisition holds no place: it is kept (`take_kept`).
+    /// idle after an acquisition holds no place: it stays kept.
     pub fn leave(&self) {
         if let Some(task) = self.task.lock().unwrap().take() {
-            let idle = self.idle.lock().unwrap().take();
-            if idle.is_some() {
-                *self.kept.lock().unwrap() = idle;
-            }
             task.abort();
         }
         self.set_waiting(false);
@@ -202,7 +197,6 @@ async fn queue(line: Arc<Line>) {
                 while !line.armed.load(Ordering::SeqCst) {
                     line.arm.notified().await;
                 }
-                line.idle.lock().unwrap().take();
                 line.set_waiting(true);
             }
             let server = server.as_ref().map(|(run_id, at)| (run_id.as_str(), *at));
@@ -378,7 +372,7 @@ async fn take_answer(
     acquirer.keep(attempt, sent_at, answer);
     if acquired {
         // Idle from now on, until the campaign waits again.
-        *line.idle.lock().unwrap() = Some(connection.clone());
+        *line.kept.lock().unwrap() = Some(connection.clone());
         line.armed.store(false, Ordering::SeqCst);
         line.woken.notify_one();
     }

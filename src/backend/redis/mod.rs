@@ -65,11 +65,11 @@ use crate::error::ConfigError;
 pub const MAX_TOKEN: u64 = (1 << 53) - 1;
 
 const BEAT: &str = include_str!("scripts/beat.lua");
+const LIVE: &str = include_str!("scripts/live.lua");
 /// How long a release sent with its reply skipped is left to work before it
 /// is confirmed (`RedisStore::release_once`): the next leader's wake and
 /// the start of its command, on this 2-core VM about 1.5 ms.
 const QUIET_RELEASE: Duration = Duration::from_millis(3);
-const LIVE: &str = include_str!("scripts/live.lua");
 
 /// A Redis URL, parsed, with its target (one server, a Sentinel service or
 /// a cluster).
